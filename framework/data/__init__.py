@@ -1,0 +1,1 @@
+"""tf.data input pipelines with static shapes; no gin, no trainer."""

@@ -1,0 +1,140 @@
+"""The allocator's peak during one call of a step function, on CPU, GPU or TPU.
+
+This is the memory the step really took on this machine, as opposed to XLA's plan for it
+(`xla_buffers.compiled_bytes`). GPU and TPU allocators always keep statistics. On CPU only
+the BFC allocator does. TensorFlow picks it when its runtime starts: with
+`TF_CPU_ALLOCATOR_USE_BFC=true` in the environment, and (measured with TensorFlow 2.21 on x86)
+by default while oneDNN is on, but not with `TF_ENABLE_ONEDNN_OPTS=0`. Without it there is no
+peak to read, and this module says how to get one rather than report a misleading 0.
+"""
+
+import dataclasses
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+BFC_ENV_VAR = "TF_CPU_ALLOCATOR_USE_BFC"
+
+
+class AllocatorNotTrackedError(RuntimeError):
+    """The device's allocator keeps no statistics, so a peak cannot be measured."""
+
+
+_HOW_TO_ENABLE = (
+    f"Set {BFC_ENV_VAR}=true in the environment before TensorFlow starts (e.g. "
+    f"`{BFC_ENV_VAR}=true python ...`, or call framework.memory.enable_cpu_bfc_allocator() "
+    "before the first TensorFlow op runs)."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakMemory:
+    """Allocator figures around one call.
+
+    Attributes:
+      device: the device measured, e.g. "CPU:0".
+      peak_bytes: the allocator's peak during the call, including what was live before it.
+      live_before_bytes: bytes the allocator held when the call started (weights, optimizer
+        slots, inputs, anything else alive in the process).
+    """
+
+    device: str
+    peak_bytes: int
+    live_before_bytes: int
+
+    @property
+    def step_bytes(self) -> int:
+        """Peak during the call minus what was live before it: what the step itself added.
+
+        This is the figure to compare remat policies or batch sizes with, since weights and
+        optimizer state are the same for all of them.
+        """
+        return self.peak_bytes - self.live_before_bytes
+
+
+def _not_tracked(device: str) -> AllocatorNotTrackedError:
+    return AllocatorNotTrackedError(
+        f"The allocator of {device} keeps no statistics, so its peak cannot be measured. On CPU "
+        f"this means TensorFlow started without its BFC allocator. {_HOW_TO_ENABLE}"
+    )
+
+
+def _memory_info(device: str, reset: bool = False) -> dict[str, int]:
+    try:
+        if reset:
+            tf.config.experimental.reset_memory_stats(device)
+        return tf.config.experimental.get_memory_info(device)
+    except ValueError as error:
+        # TensorFlow's words for an allocator without statistics ("Cannot reset memory stats",
+        # "Allocator stats not available", "Memory statistics not tracked").
+        if any(s in str(error) for s in ("stats", "statistics")):
+            raise _not_tracked(device) from error
+        raise
+
+
+def _runtime_started() -> bool:
+    if "tensorflow" not in sys.modules:
+        return False
+    from tensorflow.python.eager import context
+
+    # TensorFlow has no public query for "devices already created".
+    return context.context()._initialized
+
+
+def enable_cpu_bfc_allocator() -> None:
+    """Makes TensorFlow use the CPU BFC allocator, whose peak `peak_bytes` reads.
+
+    TensorFlow chooses the allocator when its runtime creates the CPU device (at the first op,
+    not at import), so this works after `import tensorflow` but not after anything has run.
+    Once the runtime started it only checks that the allocator in use keeps statistics.
+
+    Raises:
+      AllocatorNotTrackedError: when the runtime already started without the BFC allocator.
+    """
+    if _runtime_started():
+        _memory_info("CPU:0")
+    else:
+        os.environ[BFC_ENV_VAR] = "true"
+
+
+def default_device() -> str:
+    """The device a step runs on by default: the first GPU, else the first TPU, else CPU:0."""
+    for device_type in ("GPU", "TPU"):
+        if tf.config.list_logical_devices(device_type):
+            return f"{device_type}:0"
+    return "CPU:0"
+
+
+def peak_bytes(
+    fn: Callable[..., Any], *args: Any, device: str | None = None, **kwargs: Any
+) -> PeakMemory:
+    """Calls `fn(*args, **kwargs)` once on `device` and returns the allocator's peak during it.
+
+    `fn` may be a plain function, a `tf.function`, jit-compiled or not. Its first call also
+    traces and compiles it, and may create variables (e.g. Keras optimizer slots); call it once
+    beforehand to measure a steady step. The call's outputs are not kept.
+
+    Args:
+      fn: the step to measure.
+      *args: positional arguments for `fn`.
+      device: e.g. "CPU:0", "GPU:1", "TPU:0"; defaults to `default_device()`. `fn` runs under
+        `tf.device(device)`.
+      **kwargs: keyword arguments for `fn`.
+
+    Raises:
+      AllocatorNotTrackedError: when the device's allocator keeps no statistics (on CPU: when
+        TensorFlow started without its BFC allocator), before `fn` is called.
+    """
+    device = device or default_device()
+    live_before = _memory_info(device, reset=True)["current"]
+    with tf.device(device):
+        fn(*args, **kwargs)
+    tf.test.experimental.sync_devices()
+    peak = _memory_info(device)["peak"]
+    if peak == 0:
+        # An allocator that counts nothing while a step runs is not measuring it.
+        raise _not_tracked(device)
+    return PeakMemory(device=device, peak_bytes=peak, live_before_bytes=live_before)

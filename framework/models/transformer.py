@@ -1,0 +1,106 @@
+"""Transformer building blocks as Keras 3 layers, shared by the ViT and the language models.
+
+Each `TransformerBlock` is one layer, so `framework.remat` can checkpoint a model block by block.
+Softmax and layer norms run in float32 under mixed precision, as TPU training recipes do.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+
+class MultiHeadAttention(keras.layers.Layer):
+    """Multi-head self-attention with one fused query/key/value projection.
+
+    `mask` (optional) is boolean and broadcasts to [batch, heads, query, key]; True means "attend".
+    """
+
+    def __init__(self, num_heads: int, dropout: float = 0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.num_heads = num_heads
+        self.dropout_rate = dropout
+
+    def build(self, input_shape):
+        dim = input_shape[-1]
+        if dim % self.num_heads:
+            raise ValueError(f"model width {dim} is not divisible by num_heads={self.num_heads}")
+        self.head_dim = dim // self.num_heads
+        self.qkv = keras.layers.Dense(3 * dim, name="qkv")
+        self.qkv.build(input_shape)
+        self.out = keras.layers.Dense(dim, name="out")
+        self.out.build(input_shape)
+        self.attention_dropout = keras.layers.Dropout(self.dropout_rate)
+
+    def call(self, x, mask=None, training=None):
+        batch, length = ops.shape(x)[0], ops.shape(x)[1]
+        qkv = ops.reshape(self.qkv(x), (batch, length, 3, self.num_heads, self.head_dim))
+        query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        logits = ops.einsum("bqhd,bkhd->bhqk", query, key) * (self.head_dim**-0.5)
+        logits = ops.cast(logits, "float32")
+        if mask is not None:
+            logits = ops.where(mask, logits, -1e9)
+        weights = ops.cast(ops.softmax(logits, axis=-1), x.dtype)
+        weights = self.attention_dropout(weights, training=training)
+        context = ops.einsum("bhqk,bkhd->bqhd", weights, value)
+        return self.out(ops.reshape(context, (batch, length, self.num_heads * self.head_dim)))
+
+    def get_config(self):
+        return {**super().get_config(), "num_heads": self.num_heads, "dropout": self.dropout_rate}
+
+
+class Mlp(keras.layers.Layer):
+    """The position-wise feed-forward network: Dense, GELU, Dense."""
+
+    def __init__(self, hidden_dim: int, dropout: float = 0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden_dim = hidden_dim
+        self.dropout_rate = dropout
+
+    def build(self, input_shape):
+        self.fc1 = keras.layers.Dense(self.hidden_dim, activation="gelu", name="fc1")
+        self.fc1.build(input_shape)
+        self.fc2 = keras.layers.Dense(input_shape[-1], name="fc2")
+        self.fc2.build((*input_shape[:-1], self.hidden_dim))
+        self.dropout = keras.layers.Dropout(self.dropout_rate)
+
+    def call(self, x, training=None):
+        return self.fc2(self.dropout(self.fc1(x), training=training))
+
+    def get_config(self):
+        return {**super().get_config(), "hidden_dim": self.hidden_dim, "dropout": self.dropout_rate}
+
+
+class TransformerBlock(keras.layers.Layer):
+    """Pre-LayerNorm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, num_heads: int, mlp_dim: int, dropout: float = 0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.num_heads = num_heads
+        self.mlp_dim = mlp_dim
+        self.dropout_rate = dropout
+
+    def build(self, input_shape):
+        self.norm1 = keras.layers.LayerNormalization(epsilon=1e-6, dtype="float32", name="norm1")
+        self.norm1.build(input_shape)
+        self.attention = MultiHeadAttention(self.num_heads, self.dropout_rate, name="attention")
+        self.attention.build(input_shape)
+        self.norm2 = keras.layers.LayerNormalization(epsilon=1e-6, dtype="float32", name="norm2")
+        self.norm2.build(input_shape)
+        self.mlp = Mlp(self.mlp_dim, self.dropout_rate, name="mlp")
+        self.mlp.build(input_shape)
+        self.dropout = keras.layers.Dropout(self.dropout_rate)
+
+    def call(self, x, mask=None, training=None):
+        h = ops.cast(self.norm1(x), x.dtype)
+        x = x + self.dropout(self.attention(h, mask=mask, training=training), training=training)
+        h = ops.cast(self.norm2(x), x.dtype)
+        return x + self.dropout(self.mlp(h, training=training), training=training)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "num_heads": self.num_heads,
+            "mlp_dim": self.mlp_dim,
+            "dropout": self.dropout_rate,
+        }

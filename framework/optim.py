@@ -1,0 +1,48 @@
+"""AdamW with linear warm-up and cosine decay, for gradients the trainer has already all-reduced.
+
+The trainer sums gradients across replicas once, clips them by the global norm of that sum, and then
+applies them. Keras' own `global_clipnorm` cannot do this under a strategy: it clips each replica's
+share before the sum. `ReducedGradientAdamW` therefore skips the sum Keras would do again.
+"""
+
+from __future__ import annotations
+
+import keras
+
+
+class ReducedGradientAdamW(keras.optimizers.AdamW):
+    """AdamW that takes gradients already summed over replicas."""
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        return grads_and_vars
+
+
+def warmup_cosine(
+    learning_rate: float, warmup_steps: int, total_steps: int, final_fraction: float = 0.0
+) -> keras.optimizers.schedules.LearningRateSchedule:
+    """Linear warm-up from 0 to `learning_rate`, then cosine decay to `final_fraction` of it."""
+    warmup_steps = min(warmup_steps, total_steps)
+    return keras.optimizers.schedules.CosineDecay(
+        initial_learning_rate=0.0,
+        warmup_target=learning_rate,
+        warmup_steps=warmup_steps,
+        decay_steps=max(total_steps - warmup_steps, 1),
+        alpha=final_fraction,
+    )
+
+
+def adamw(
+    learning_rate: float,
+    total_steps: int,
+    warmup_steps: int = 0,
+    weight_decay: float = 0.05,
+    beta_2: float = 0.999,
+) -> ReducedGradientAdamW:
+    """AdamW on the warm-up + cosine schedule; norm and bias weights are not decayed."""
+    optimizer = ReducedGradientAdamW(
+        learning_rate=warmup_cosine(learning_rate, warmup_steps, total_steps),
+        weight_decay=weight_decay,
+        beta_2=beta_2,
+    )
+    optimizer.exclude_from_weight_decay(var_names=["bias", "gamma", "beta", "class_token"])
+    return optimizer

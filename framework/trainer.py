@@ -1,0 +1,310 @@
+"""The gin-configured trainer: strategy, XLA-compiled step, host loop, evaluation, checkpoints.
+
+The same program runs on one CPU, on N logical CPUs, on a multi-GPU host and (with the strategy set)
+on a TPU pod. Per replica, the forward and backward pass are one XLA program (`jit_compile=True`),
+traced inside `strategy.run` so each replica compiles against its own variables (DESIGN.md, fact 8).
+Gradients are then summed across replicas once, clipped by their global norm and applied. A host
+loop runs `steps_per_loop` steps in one `tf.function` over `tf.range`, so Python is entered once per
+loop.
+
+Gin touches only `Trainer`'s arguments: models, data sets and optimizers stay plain functions.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import gin
+import keras
+import tensorflow as tf
+
+from framework import distribute, optim, xla
+
+PRECISIONS = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
+
+
+class TrainerError(RuntimeError):
+    """A problem the user can fix (bad data, divergence, an unreadable checkpoint): no traceback."""
+
+
+def _format_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+@gin.configurable
+class Trainer:
+    """Builds a run from its configuration and trains, evaluates and checkpoints it in `model_dir`.
+
+    `model_fn()` returns a Keras model mapping inputs to float32 logits. `dataset_fn(split,
+    batch_size, *, start_step, pipeline_id, num_pipelines, replicas_per_pipeline)` returns batches
+    of (inputs, integer labels) of the per-replica `batch_size`: an endless stream for "train" that
+    starts at global step `start_step`, and a finite held-out set for "eval".
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        model_fn: Callable[[], keras.Model] = gin.REQUIRED,
+        dataset_fn: Callable[..., tf.data.Dataset] = gin.REQUIRED,
+        global_batch_size: int = 128,
+        train_steps: int = 1000,
+        steps_per_loop: int = 100,
+        eval_every: int | None = None,
+        checkpoint_every: int | None = None,
+        keep_checkpoints: int = 3,
+        learning_rate: float = 1e-3,
+        warmup_steps: int = 0,
+        weight_decay: float = 0.05,
+        clip_norm: float | None = 1.0,
+        precision: str = "float32",
+        strategy: str = "one_device",
+        cpu_devices: int | None = None,
+        xla_flags: Sequence[str] = (),
+        tf_xla_flags: Sequence[str] = (),
+        seed: int = 0,
+    ):
+        if precision not in PRECISIONS:
+            raise ValueError(
+                f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}"
+            )
+        if min(global_batch_size, train_steps, steps_per_loop) < 1:
+            raise ValueError("global_batch_size, train_steps and steps_per_loop must be positive")
+        xla.set_xla_flags(xla_flags, tf_xla_flags)
+        self.strategy = distribute.create_strategy(strategy, cpu_devices)
+        replicas = self.strategy.num_replicas_in_sync
+        if global_batch_size % replicas:
+            raise ValueError(
+                f"global_batch_size {global_batch_size} does not split over {replicas} replicas"
+            )
+        self.model_dir = model_dir
+        self.dataset_fn = dataset_fn
+        self.global_batch_size = global_batch_size
+        self.train_steps = train_steps
+        self.steps_per_loop = steps_per_loop
+        self.eval_every = eval_every
+        self.checkpoint_every = checkpoint_every or steps_per_loop
+        self.clip_norm = clip_norm
+        self.traces: collections.Counter[str] = collections.Counter()
+
+        keras.config.set_dtype_policy(PRECISIONS[precision])
+        keras.utils.set_random_seed(seed)
+        with self.strategy.scope():
+            self.model = model_fn()
+            self.optimizer = optim.adamw(
+                learning_rate, train_steps, warmup_steps=warmup_steps, weight_decay=weight_decay
+            )
+            self.optimizer.build(self.model.trainable_variables)
+        logging.info(
+            "model %s: %s parameters, precision %s",
+            self.model.name,
+            f"{self.model.count_params():,}",
+            precision,
+        )
+
+        checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
+        self.checkpoints = tf.train.CheckpointManager(
+            checkpoint,
+            os.path.join(model_dir, "checkpoints"),
+            max_to_keep=keep_checkpoints,
+            step_counter=self.optimizer.iterations,
+        )
+        self._restore(checkpoint)
+        self._train_loop = tf.function(self._train_loop_fn)
+        self._eval_loop = tf.function(self._eval_loop_fn)
+        self._writers = {
+            split: tf.summary.create_file_writer(os.path.join(model_dir, split))
+            for split in ("train", "eval")
+        }
+
+    @property
+    def step(self) -> int:
+        return int(self.optimizer.iterations.numpy())
+
+    def _restore(self, checkpoint: tf.train.Checkpoint) -> None:
+        """Resumes from the newest checkpoint in model_dir; refuses to start over a broken one."""
+        directory = self.checkpoints.directory
+        latest = self.checkpoints.latest_checkpoint
+        if latest is None:
+            logging.info("no checkpoint in %s: starting from scratch", directory)
+            return
+        try:
+            checkpoint.restore(latest).assert_existing_objects_matched()
+        except Exception as error:  # noqa: BLE001 (TF raises many types for a bad file)
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise TrainerError(
+                f"cannot restore checkpoint {latest}: {reason}. It may be "
+                "corrupted or from another model. Move it away (or use another --model_dir) and "
+                "start again; nothing was deleted."
+            ) from None
+        logging.info("restored step %d from %s", self.step, latest)
+
+    def _distributed_dataset(self, split: str, start_step: int = 0):
+        def dataset_for_pipeline(context: tf.distribute.InputContext) -> tf.data.Dataset:
+            return self.dataset_fn(
+                split,
+                context.get_per_replica_batch_size(self.global_batch_size),
+                start_step=start_step,
+                pipeline_id=context.input_pipeline_id,
+                num_pipelines=context.num_input_pipelines,
+                replicas_per_pipeline=context.num_replicas_in_sync // context.num_input_pipelines,
+            )
+
+        return self.strategy.distribute_datasets_from_function(dataset_for_pipeline)
+
+    def _loss_and_correct(self, batch, training: bool):
+        inputs, labels = batch
+        logits = tf.cast(self.model(inputs, training=training), tf.float32)
+        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+        correct = tf.cast(
+            tf.equal(tf.argmax(logits, -1, output_type=labels.dtype), labels), tf.float32
+        )
+        return tf.reduce_sum(losses), tf.reduce_sum(correct)
+
+    def _gradients(self, batch):
+        """Forward and backward pass of one replica: the part XLA compiles."""
+        self.traces["train_step"] += 1
+        variables = self.model.trainable_variables
+        with tf.GradientTape() as tape:
+            loss_sum, correct = self._loss_and_correct(batch, training=True)
+            loss = loss_sum / self.global_batch_size
+        return loss_sum, correct, tape.gradient(loss, variables)
+
+    def _replica_train_step(self, batch):
+        # Created here, inside the replica function, so each replica traces its own program.
+        loss_sum, correct, grads = tf.function(self._gradients, jit_compile=True)(batch)
+        grads = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
+        norm = tf.linalg.global_norm(grads)
+        if self.clip_norm:
+            grads, _ = tf.clip_by_global_norm(grads, self.clip_norm, use_norm=norm)
+        self.optimizer.apply(grads, self.model.trainable_variables)
+        return loss_sum, correct, norm
+
+    def _replica_eval_step(self, batch):
+        step = tf.function(lambda b: self._loss_and_correct(b, training=False), jit_compile=True)
+        loss_sum, correct = step(batch)
+        return loss_sum, correct, tf.cast(tf.shape(batch[1])[0], tf.float32)
+
+    def _sum(self, per_replica):
+        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    def _train_loop_fn(self, iterator, num_steps):
+        loss_sum, correct, norm_sum = tf.constant(0.0), tf.constant(0.0), tf.constant(0.0)
+        for _ in tf.range(num_steps):
+            outputs = self.strategy.run(self._replica_train_step, args=(next(iterator),))
+            loss_sum += self._sum(outputs[0])
+            correct += self._sum(outputs[1])
+            norm_sum += self.strategy.experimental_local_results(outputs[2])[0]
+        return loss_sum, correct, norm_sum
+
+    def _eval_loop_fn(self, dataset):
+        totals = tf.zeros([3])
+        for batch in dataset:
+            totals += tf.stack(
+                [self._sum(x) for x in self.strategy.run(self._replica_eval_step, args=(batch,))]
+            )
+        return totals
+
+    def evaluate(self) -> dict[str, float]:
+        """Loss and accuracy on the whole held-out split; written to the eval summaries."""
+        loss_sum, correct, count = self._eval_loop(self._distributed_dataset("eval")).numpy()
+        if count == 0:
+            raise TrainerError("the eval data set is empty: give it at least one global batch")
+        metrics = {"loss": loss_sum / count, "accuracy": correct / count}
+        self._write_summaries("eval", metrics)
+        logging.info(
+            "eval at step %d: loss %.4f, accuracy %.4f on %d examples",
+            self.step,
+            metrics["loss"],
+            metrics["accuracy"],
+            count,
+        )
+        return metrics
+
+    def train(self, max_steps: int | None = None) -> dict[str, float]:
+        """Trains from the current step to `train_steps` and returns the last loop's metrics.
+
+        `max_steps` stops earlier, after that many steps, as an interrupted run would: the learning
+        rate schedule still follows `train_steps`, and a later run resumes from the checkpoint.
+        """
+        start = self.step
+        stop = self.train_steps if max_steps is None else min(self.train_steps, start + max_steps)
+        if start >= stop:
+            logging.info("at step %d of %d: nothing to train", start, self.train_steps)
+            return {}
+        iterator = iter(self._distributed_dataset("train", start_step=start))
+        metrics: dict[str, float] = {}
+        run_start = time.perf_counter()
+        while self.step < stop:
+            steps = min(self.steps_per_loop, stop - self.step)
+            loop_start = time.perf_counter()
+            try:
+                loss_sum, correct, norm_sum = (
+                    x.numpy() for x in self._train_loop(iterator, tf.constant(steps))
+                )
+            except tf.errors.OutOfRangeError:
+                raise TrainerError(
+                    f"the training data ran out at step {self.step}: dataset_fn('train', ...) "
+                    "must repeat forever (or hold at least train_steps batches)"
+                ) from None
+            seconds = time.perf_counter() - loop_start
+            examples = steps * self.global_batch_size
+            metrics = {
+                "loss": loss_sum / examples,
+                "accuracy": correct / examples,
+                "grad_norm": norm_sum / steps,
+                "learning_rate": float(self.optimizer.learning_rate.numpy()),
+                "steps_per_sec": steps / seconds,
+                "examples_per_sec": examples / seconds,
+            }
+            self._check_finite(metrics["loss"])
+            self._write_summaries("train", metrics)
+            remaining = (stop - self.step) / max(
+                (self.step - start) / (time.perf_counter() - run_start), 1e-9
+            )
+            logging.info(
+                "step %d/%d: loss %.4f, accuracy %.3f, %.2f steps/s, %.0f examples/s, ETA %s",
+                self.step,
+                self.train_steps,
+                metrics["loss"],
+                metrics["accuracy"],
+                metrics["steps_per_sec"],
+                metrics["examples_per_sec"],
+                _format_duration(remaining),
+            )
+            if self.step % self.checkpoint_every == 0 or self.step >= stop:
+                self.checkpoints.save(checkpoint_number=self.step)
+            if (
+                self.eval_every
+                and self.step % self.eval_every == 0
+                and self.step < self.train_steps
+            ):
+                self.evaluate()
+        return metrics
+
+    def train_and_evaluate(self) -> dict[str, float]:
+        """Trains to `train_steps` (evaluating every `eval_every` steps), then evaluates."""
+        self.train()
+        return self.evaluate()
+
+    def _check_finite(self, loss: float) -> None:
+        if math.isfinite(loss):
+            return
+        latest = self.checkpoints.latest_checkpoint
+        kept = f"the last good checkpoint {latest} is kept" if latest else "no checkpoint was saved"
+        raise TrainerError(
+            f"the loss became {loss} before step {self.step}: training diverged; {kept}. Lower "
+            "Trainer.learning_rate, raise Trainer.warmup_steps or set Trainer.clip_norm."
+        )
+
+    def _write_summaries(self, split: str, metrics: dict[str, float]) -> None:
+        with self._writers[split].as_default(step=self.step):
+            for name, value in metrics.items():
+                tf.summary.scalar(name, value)
+        self._writers[split].flush()

@@ -1,0 +1,37 @@
+"""XLA flags from configuration, put in the environment before TensorFlow compiles anything.
+
+XLA reads `XLA_FLAGS` (compiler flags) and `TF_XLA_FLAGS` (TensorFlow's bridge flags) once per
+process, the first time it needs them, so these functions must run before the first op or device
+use. This module does not import TensorFlow for that reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+ENV_VARS = ("XLA_FLAGS", "TF_XLA_FLAGS")
+
+
+def merge_flags(existing: str, extra: Sequence[str]) -> str:
+    """Adds `extra` flags to a flag string; an `extra` flag replaces one of the same name."""
+    names = {flag.split("=", 1)[0] for flag in extra}
+    kept = [flag for flag in existing.split() if flag.split("=", 1)[0] not in names]
+    return " ".join([*kept, *extra])
+
+
+def set_xla_flags(
+    xla_flags: Sequence[str] = (), tf_xla_flags: Sequence[str] = ()
+) -> dict[str, str]:
+    """Writes the flags to `XLA_FLAGS` / `TF_XLA_FLAGS`, logs them and returns the two values."""
+    for flag in (*xla_flags, *tf_xla_flags):
+        if not flag.startswith("--"):
+            raise ValueError(f"XLA flag {flag!r} must start with '--', e.g. '--xla_dump_to=/tmp/x'")
+    for var, flags in zip(ENV_VARS, (xla_flags, tf_xla_flags)):
+        if flags:
+            os.environ[var] = merge_flags(os.environ.get(var, ""), flags)
+    values = {var: os.environ.get(var, "") for var in ENV_VARS}
+    for var, value in values.items():
+        logging.info("%s=%s", var, value or "(unset)")
+    return values

@@ -1,0 +1,23 @@
+"""Installs the framework: `pip install -e ".[test]"` is the whole set-up (no Bazel)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="framework",
+    version="0.1.0",
+    description="TensorFlow 2 training with first-class memory: remat policies, planning, XLA.",
+    python_requires=">=3.10",
+    packages=find_packages(include=["framework", "framework.*"]),
+    install_requires=[
+        # Versions measured to work together here (DESIGN.md); TF 2.21 no longer pulls TensorBoard.
+        "tensorflow==2.21.*",
+        "tensorflow-text==2.21.*",
+        "tensorboard>=2.20",
+        "gin-config==0.5.0",
+        "absl-py>=2.1",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "ruff>=0.6"],
+    },
+    entry_points={"console_scripts": ["framework-train=framework.train:main"]},
+)

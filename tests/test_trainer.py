@@ -1,0 +1,127 @@
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from framework.trainer import Trainer, TrainerError
+from tests import tiny
+
+
+def make_trainer(model_dir, **overrides) -> Trainer:
+    return Trainer(str(model_dir), **{**tiny.TRAINER_ARGS, **overrides})
+
+
+def test_trains_checkpoints_and_writes_summaries(tmp_path):
+    trainer = make_trainer(tmp_path, train_steps=20)
+    before = trainer.evaluate()["loss"]
+    metrics = trainer.train()
+    after = trainer.evaluate()["loss"]
+    assert trainer.step == 20
+    assert after < before
+    assert set(metrics) >= {
+        "loss",
+        "accuracy",
+        "grad_norm",
+        "learning_rate",
+        "steps_per_sec",
+        "examples_per_sec",
+    }
+    assert tf.train.latest_checkpoint(tmp_path / "checkpoints").endswith("ckpt-20")
+    for split in ("train", "eval"):
+        assert os.listdir(tmp_path / split), f"no {split} summaries"
+
+
+def test_resumes_where_it_stopped(tmp_path):
+    first = make_trainer(tmp_path, train_steps=10)
+    first.train()
+    weights = [v.numpy() for v in first.model.trainable_variables]
+    second = make_trainer(tmp_path, train_steps=15)
+    assert second.step == 10
+    for restored, saved in zip(second.model.trainable_variables, weights):
+        np.testing.assert_array_equal(restored.numpy(), saved)
+    second.train()
+    assert second.step == 15
+
+
+def test_resumed_run_equals_uninterrupted_run(tmp_path):
+    straight = make_trainer(tmp_path / "straight", train_steps=10)
+    straight.train()
+    make_trainer(tmp_path / "split", train_steps=10).train(max_steps=5)
+    resumed = make_trainer(tmp_path / "split", train_steps=10)
+    resumed.train()
+    for a, b in zip(straight.model.trainable_variables, resumed.model.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_hundred_steps_trace_the_step_at_most_twice(tmp_path):
+    trainer = make_trainer(tmp_path, train_steps=100, steps_per_loop=10, checkpoint_every=100)
+    trainer.train()
+    assert trainer.step == 100
+    assert 1 <= trainer.traces["train_step"] <= 2
+
+
+def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path):
+    make_trainer(tmp_path, train_steps=5).train()
+    trainer = make_trainer(tmp_path, train_steps=10, learning_rate=1e30, clip_norm=None)
+    with pytest.raises(TrainerError, match="diverged.*ckpt-5 is kept"):
+        trainer.train()
+    assert tf.train.latest_checkpoint(tmp_path / "checkpoints").endswith("ckpt-5")
+
+
+def test_corrupted_checkpoint_is_an_error_and_is_not_deleted(tmp_path):
+    make_trainer(tmp_path, train_steps=5).train()
+    data = [p for p in (tmp_path / "checkpoints").iterdir() if ".data-" in p.name][0]
+    data.write_bytes(b"garbage")
+    with pytest.raises(TrainerError, match="cannot restore checkpoint"):
+        make_trainer(tmp_path, train_steps=10)
+    assert data.read_bytes() == b"garbage"
+
+
+def test_missing_checkpoint_files_are_an_error(tmp_path):
+    make_trainer(tmp_path, train_steps=5).train()
+    for path in (tmp_path / "checkpoints").iterdir():
+        if path.name.startswith("ckpt-"):
+            path.unlink()
+    with pytest.raises(TrainerError, match="cannot restore checkpoint .*ckpt-5"):
+        make_trainer(tmp_path, train_steps=10)
+
+
+def test_finite_training_data_is_a_clear_error(tmp_path):
+    def short_dataset(split, batch_size, **kwargs):
+        return tiny.dataset_fn(split, batch_size, **kwargs).take(3)
+
+    trainer = make_trainer(tmp_path, train_steps=10, dataset_fn=short_dataset)
+    with pytest.raises(TrainerError, match="training data ran out"):
+        trainer.train()
+
+
+def test_empty_eval_data_is_a_clear_error(tmp_path):
+    def no_eval(split, batch_size, **kwargs):
+        return tiny.dataset_fn(split, batch_size, **kwargs).take(0)
+
+    with pytest.raises(TrainerError, match="eval data set is empty"):
+        make_trainer(tmp_path, dataset_fn=no_eval).evaluate()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"precision": "float8"}, "unknown precision"),
+        ({"strategy": "magic"}, "unknown strategy"),
+        ({"train_steps": 0}, "must be positive"),
+        ({"xla_flags": ["xla_dump_to=/tmp"]}, "must start with '--'"),
+    ],
+)
+def test_bad_settings_are_clear_errors(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        make_trainer(tmp_path, **overrides)
+
+
+def test_bfloat16_precision_trains(tmp_path):
+    trainer = make_trainer(tmp_path, train_steps=5, precision="bfloat16")
+    try:
+        assert trainer.model.blocks[0].attention.qkv.compute_dtype == "bfloat16"
+        assert np.isfinite(trainer.train()["loss"])
+    finally:
+        make_trainer(tmp_path / "reset", train_steps=1)  # restores the float32 policy
