@@ -1,15 +1,44 @@
-"""Makes the library's models and data sets configurable from gin, without gin in the library.
+"""Makes the library's models, data sets and remat policies configurable from gin.
 
-The one place where gin meets `framework.models` and `framework.data` (t5x keeps gin at the edge the
-same way). Importing this module registers the names that `configs/*.gin` use.
+The one place where gin meets `framework.models`, `framework.data` and `framework.remat` (t5x keeps
+gin at the edge the same way). Importing this module registers the names that `configs/*.gin` use.
 """
+
+from collections.abc import Sequence
 
 import gin
 
-from framework.data import synthetic_images
-from framework.models import vit
+from framework import remat
+from framework.data import synthetic_images, text
+from framework.models import language, vit
 
 for _model in (vit.VisionTransformer, vit.vit_tiny, vit.vit_small, vit.vit_b16, vit.vit_l16):
     gin.external_configurable(_model, module="models")
 
 gin.external_configurable(synthetic_images.shapes, module="data")
+
+for _model in (
+    language.DecoderLM,
+    language.BertEncoder,
+    language.decoder_tiny,
+    language.decoder_1b,
+    language.bert_tiny,
+    language.bert_base,
+    language.bert_large,
+):
+    gin.external_configurable(_model, module="models")
+
+for _data in (text.TextCorpus, text.text_lm, text.text_mlm):
+    gin.external_configurable(_data, module="data")
+
+
+@gin.configurable(module="remat")
+def save_only_these_names(names: Sequence[str]) -> remat.policies.Policy:
+    """`remat.policies.save_only_these_names` with its names as one gin-bindable list."""
+    return remat.policies.save_only_these_names(*names)
+
+
+@gin.configurable(module="remat")
+def save_any_names_but_these(names: Sequence[str]) -> remat.policies.Policy:
+    """`remat.policies.save_any_names_but_these` with its names as one gin-bindable list."""
+    return remat.policies.save_any_names_but_these(*names)

@@ -13,6 +13,7 @@ Gin touches only `Trainer`'s arguments: models, data sets and optimizers stay pl
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import os
@@ -23,7 +24,7 @@ import gin
 import keras
 import tensorflow as tf
 
-from framework import distribute, optim, xla
+from framework import distribute, memory, optim, remat, xla
 
 PRECISIONS = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
 
@@ -41,10 +42,12 @@ def _format_duration(seconds: float) -> str:
 class Trainer:
     """Builds a run from its configuration and trains, evaluates and checkpoints it in `model_dir`.
 
-    `model_fn()` returns a Keras model mapping inputs to float32 logits. `dataset_fn(split,
-    batch_size, *, start_step, pipeline_id, num_pipelines, replicas_per_pipeline)` returns batches
-    of (inputs, integer labels) of the per-replica `batch_size`: an endless stream for "train" that
-    starts at global step `start_step`, and a finite held-out set for "eval".
+    `model_fn()` returns a Keras model mapping inputs to logits. `dataset_fn(split, batch_size, *,
+    start_step, pipeline_id, num_pipelines, replicas_per_pipeline)` returns batches of the
+    per-replica `batch_size`, each (inputs, integer labels) or (inputs, labels, weights): an endless
+    stream for "train" that starts at global step `start_step`, and a finite held-out set for
+    "eval". The loss is the weighted mean cross-entropy over the global batch. `remat_policy`
+    (a name from `remat.policy_names()` or a policy) checkpoints the model's repeated blocks.
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class Trainer:
         weight_decay: float = 0.05,
         clip_norm: float | None = 1.0,
         precision: str = "float32",
+        remat_policy: str | remat.policies.Policy | None = None,
         strategy: str = "one_device",
         cpu_devices: int | None = None,
         xla_flags: Sequence[str] = (),
@@ -92,11 +96,20 @@ class Trainer:
         self.checkpoint_every = checkpoint_every or steps_per_loop
         self.clip_norm = clip_norm
         self.traces: collections.Counter[str] = collections.Counter()
+        # Peak memory is logged per loop for the first replica's device, if its allocator counts.
+        spec = tf.DeviceSpec.from_string(self.strategy.extended.worker_devices[0])
+        self._memory_device = f"{spec.device_type}:{spec.device_index}"
+        if not memory.keeps_statistics(self._memory_device):
+            logging.info("peak memory not logged: %s keeps no statistics", self._memory_device)
+            self._memory_device = None
 
         keras.config.set_dtype_policy(PRECISIONS[precision])
         keras.utils.set_random_seed(seed)
         with self.strategy.scope():
             self.model = model_fn()
+            if remat_policy is not None:
+                blocks = remat.set_grad_checkpointing(self.model, policy=remat_policy)
+                logging.info("remat policy %s on %d blocks", remat_policy, len(blocks))
             self.optimizer = optim.adamw(
                 learning_rate, train_steps, warmup_steps=warmup_steps, weight_decay=weight_decay
             )
@@ -158,50 +171,59 @@ class Trainer:
 
         return self.strategy.distribute_datasets_from_function(dataset_for_pipeline)
 
-    def _loss_and_correct(self, batch, training: bool):
-        inputs, labels = batch
+    def _sums(self, batch, training: bool):
+        """Weighted sums of the loss, of correct predictions and of the weights over one batch.
+
+        A batch is (inputs, labels) or (inputs, labels, weights): labels of any rank (one per
+        image, or one per token), weights 0 where a label does not count (padding).
+        """
+        inputs, labels, weights = batch if len(batch) == 3 else (*batch, None)
+        weights = tf.ones(tf.shape(labels)) if weights is None else tf.cast(weights, tf.float32)
         logits = tf.cast(self.model(inputs, training=training), tf.float32)
         losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
-        correct = tf.cast(
-            tf.equal(tf.argmax(logits, -1, output_type=labels.dtype), labels), tf.float32
+        hits = tf.equal(tf.argmax(logits, -1, output_type=labels.dtype), labels)
+        return (
+            tf.reduce_sum(losses * weights),
+            tf.reduce_sum(tf.cast(hits, tf.float32) * weights),
+            tf.reduce_sum(weights),
         )
-        return tf.reduce_sum(losses), tf.reduce_sum(correct)
 
     def _gradients(self, batch):
         """Forward and backward pass of one replica: the part XLA compiles."""
         self.traces["train_step"] += 1
         variables = self.model.trainable_variables
         with tf.GradientTape() as tape:
-            loss_sum, correct = self._loss_and_correct(batch, training=True)
-            loss = loss_sum / self.global_batch_size
-        return loss_sum, correct, tape.gradient(loss, variables)
+            loss_sum, correct, count = self._sums(batch, training=True)
+        return loss_sum, correct, count, tape.gradient(loss_sum, variables)
 
     def _replica_train_step(self, batch):
         # Created here, inside the replica function, so each replica traces its own program.
-        loss_sum, correct, grads = tf.function(self._gradients, jit_compile=True)(batch)
-        grads = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
+        loss_sum, correct, count, grads = tf.function(self._gradients, jit_compile=True)(batch)
+        # One all-reduce: the summed gradients and the global count that turns them into a mean.
+        grads, total = tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, (grads, count)
+        )
+        grads = [g / tf.maximum(total, 1.0) for g in grads]
         norm = tf.linalg.global_norm(grads)
         if self.clip_norm:
             grads, _ = tf.clip_by_global_norm(grads, self.clip_norm, use_norm=norm)
         self.optimizer.apply(grads, self.model.trainable_variables)
-        return loss_sum, correct, norm
+        return loss_sum, correct, count, norm
 
     def _replica_eval_step(self, batch):
-        step = tf.function(lambda b: self._loss_and_correct(b, training=False), jit_compile=True)
-        loss_sum, correct = step(batch)
-        return loss_sum, correct, tf.cast(tf.shape(batch[1])[0], tf.float32)
+        return tf.function(lambda b: self._sums(b, training=False), jit_compile=True)(batch)
 
     def _sum(self, per_replica):
         return self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
     def _train_loop_fn(self, iterator, num_steps):
-        loss_sum, correct, norm_sum = tf.constant(0.0), tf.constant(0.0), tf.constant(0.0)
+        """Runs `num_steps` steps; returns the sums of loss, correct, count and gradient norm."""
+        totals = tf.zeros([4])
         for _ in tf.range(num_steps):
-            outputs = self.strategy.run(self._replica_train_step, args=(next(iterator),))
-            loss_sum += self._sum(outputs[0])
-            correct += self._sum(outputs[1])
-            norm_sum += self.strategy.experimental_local_results(outputs[2])[0]
-        return loss_sum, correct, norm_sum
+            *sums, norm = self.strategy.run(self._replica_train_step, args=(next(iterator),))
+            norm = self.strategy.experimental_local_results(norm)[0]  # the same on every replica
+            totals += tf.stack([*(self._sum(x) for x in sums), norm])
+        return totals
 
     def _eval_loop_fn(self, dataset):
         totals = tf.zeros([3])
@@ -219,7 +241,7 @@ class Trainer:
         metrics = {"loss": loss_sum / count, "accuracy": correct / count}
         self._write_summaries("eval", metrics)
         logging.info(
-            "eval at step %d: loss %.4f, accuracy %.4f on %d examples",
+            "eval at step %d: loss %.4f, accuracy %.4f on %d targets",
             self.step,
             metrics["loss"],
             metrics["accuracy"],
@@ -245,9 +267,11 @@ class Trainer:
             steps = min(self.steps_per_loop, stop - self.step)
             loop_start = time.perf_counter()
             try:
-                loss_sum, correct, norm_sum = (
-                    x.numpy() for x in self._train_loop(iterator, tf.constant(steps))
-                )
+                tracker = memory.PeakTracker(self._memory_device, strict=False)
+                with tracker if self._memory_device else contextlib.nullcontext():
+                    loss_sum, correct, count, norm_sum = self._train_loop(
+                        iterator, tf.constant(steps)
+                    ).numpy()
             except tf.errors.OutOfRangeError:
                 raise TrainerError(
                     f"the training data ran out at step {self.step}: dataset_fn('train', ...) "
@@ -256,26 +280,31 @@ class Trainer:
             seconds = time.perf_counter() - loop_start
             examples = steps * self.global_batch_size
             metrics = {
-                "loss": loss_sum / examples,
-                "accuracy": correct / examples,
+                "loss": loss_sum / count,
+                "accuracy": correct / count,
                 "grad_norm": norm_sum / steps,
                 "learning_rate": float(self.optimizer.learning_rate.numpy()),
                 "steps_per_sec": steps / seconds,
                 "examples_per_sec": examples / seconds,
+                "targets_per_sec": count / seconds,
             }
+            if tracker.result is not None:
+                metrics["peak_memory_mib"] = tracker.result.peak_bytes / 2**20
             self._check_finite(metrics["loss"])
             self._write_summaries("train", metrics)
             remaining = (stop - self.step) / max(
                 (self.step - start) / (time.perf_counter() - run_start), 1e-9
             )
             logging.info(
-                "step %d/%d: loss %.4f, accuracy %.3f, %.2f steps/s, %.0f examples/s, ETA %s",
+                "step %d/%d: loss %.4f, accuracy %.3f, %.2f steps/s, %.0f examples/s, "
+                "peak memory %s, ETA %s",
                 self.step,
                 self.train_steps,
                 metrics["loss"],
                 metrics["accuracy"],
                 metrics["steps_per_sec"],
                 metrics["examples_per_sec"],
+                f"{metrics['peak_memory_mib']:.0f} MiB" if "peak_memory_mib" in metrics else "n/a",
                 _format_duration(remaining),
             )
             if self.step % self.checkpoint_every == 0 or self.step >= stop:

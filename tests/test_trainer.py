@@ -1,9 +1,11 @@
+import functools
 import os
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from framework import remat as framework_remat
 from framework.trainer import Trainer, TrainerError
 from tests import tiny
 
@@ -125,3 +127,30 @@ def test_bfloat16_precision_trains(tmp_path):
         assert np.isfinite(trainer.train()["loss"])
     finally:
         make_trainer(tmp_path / "reset", train_steps=1)  # restores the float32 policy
+
+
+@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable"])
+def test_remat_policy_trains_exactly_like_no_remat_with_dropout(tmp_path, policy):
+    model_fn = functools.partial(tiny.model_fn, dropout=0.2)
+    plain = make_trainer(tmp_path / "plain", train_steps=5, model_fn=model_fn)
+    plain.train()
+    remat = make_trainer(tmp_path / policy, train_steps=5, model_fn=model_fn, remat_policy=policy)
+    assert len(framework_remat.checkpointed_layers(remat.model)) == 2
+    remat.train()
+    for a, b in zip(plain.model.trainable_variables, remat.model.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_remat_policy_lists_the_choices(tmp_path):
+    with pytest.raises(ValueError, match="Unknown remat policy 'most'.*dots_saveable"):
+        make_trainer(tmp_path, remat_policy="most")
+
+
+def test_weighted_targets_count_only_where_weight_is_one(tmp_path):
+    def half_weighted(split, batch_size, **kwargs):
+        dataset = tiny.dataset_fn(split, batch_size, **kwargs)
+        return dataset.map(lambda x, y: (x, y, tf.cast(tf.range(batch_size) % 2, tf.float32)))
+
+    trainer = make_trainer(tmp_path, train_steps=5, dataset_fn=half_weighted)
+    metrics = trainer.train()
+    assert metrics["targets_per_sec"] == pytest.approx(metrics["examples_per_sec"] / 2)

@@ -10,8 +10,10 @@
 from framework.memory.allocator import (
     AllocatorNotTrackedError,
     PeakMemory,
+    PeakTracker,
     default_device,
     enable_cpu_bfc_allocator,
+    keeps_statistics,
     peak_bytes,
 )
 from framework.memory.units import format_bytes, parse_bytes
@@ -28,10 +30,12 @@ __all__ = [
     "Buffer",
     "CompiledMemory",
     "PeakMemory",
+    "PeakTracker",
     "compiled_bytes",
     "default_device",
     "enable_cpu_bfc_allocator",
     "format_bytes",
+    "keeps_statistics",
     "memory_from_hlo_proto",
     "parse_buffer_assignment",
     "parse_bytes",

@@ -8,6 +8,8 @@ by default while oneDNN is on, but not with `TF_ENABLE_ONEDNN_OPTS=0`. Without i
 peak to read, and this module says how to get one rather than report a misleading 0.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import os
 import sys
@@ -84,6 +86,15 @@ def _runtime_started() -> bool:
     return context.context()._initialized
 
 
+def keeps_statistics(device: str) -> bool:
+    """Whether the allocator of `device` keeps the statistics `peak_bytes` reads."""
+    try:
+        _memory_info(device)
+    except AllocatorNotTrackedError:
+        return False
+    return True
+
+
 def enable_cpu_bfc_allocator() -> None:
     """Makes TensorFlow use the CPU BFC allocator, whose peak `peak_bytes` reads.
 
@@ -108,6 +119,36 @@ def default_device() -> str:
     return "CPU:0"
 
 
+class PeakTracker:
+    """Measures the allocator's peak over a block: `with PeakTracker() as t: ...; t.result`.
+
+    For code that needs the block's results too (a trainer's loop); `peak_bytes` uses it for a
+    single call. Checks before the block runs that the allocator keeps statistics. An allocator
+    that counted nothing during the block raises, or with `strict=False` leaves `result` None.
+    """
+
+    def __init__(self, device: str | None = None, strict: bool = True):
+        self.device = device or default_device()
+        self.strict = strict
+        self.result: PeakMemory | None = None
+
+    def __enter__(self) -> PeakTracker:
+        self._live_before = _memory_info(self.device, reset=True)["current"]
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if exc_info[0] is not None:
+            return
+        tf.test.experimental.sync_devices()
+        peak = _memory_info(self.device)["peak"]
+        if peak == 0:
+            # An allocator that counts nothing while a step runs is not measuring it.
+            if self.strict:
+                raise _not_tracked(self.device)
+            return
+        self.result = PeakMemory(self.device, peak, self._live_before)
+
+
 def peak_bytes(
     fn: Callable[..., Any], *args: Any, device: str | None = None, **kwargs: Any
 ) -> PeakMemory:
@@ -128,13 +169,6 @@ def peak_bytes(
       AllocatorNotTrackedError: when the device's allocator keeps no statistics (on CPU: when
         TensorFlow started without its BFC allocator), before `fn` is called.
     """
-    device = device or default_device()
-    live_before = _memory_info(device, reset=True)["current"]
-    with tf.device(device):
+    with PeakTracker(device) as tracker, tf.device(tracker.device):
         fn(*args, **kwargs)
-    tf.test.experimental.sync_devices()
-    peak = _memory_info(device)["peak"]
-    if peak == 0:
-        # An allocator that counts nothing while a step runs is not measuring it.
-        raise _not_tracked(device)
-    return PeakMemory(device=device, peak_bytes=peak, live_before_bytes=live_before)
+    return tracker.result

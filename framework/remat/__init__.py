@@ -1,0 +1,35 @@
+"""Rematerialization (gradient checkpointing) for TensorFlow 2 and Keras 3.
+
+One line on a model that already exists, JAX-style policies, exact gradients with dropout, and
+recomputation that XLA keeps. See docs/remat.md.
+
+    from framework import remat
+    remat.set_grad_checkpointing(model, policy="dots_saveable")
+    block = remat.checkpoint(block_fn, policy="nothing_saveable")
+    h = remat.checkpoint_name(h, "attn_out")
+    remat.print_saved_residuals(loss_fn, x)
+"""
+
+from framework.remat import policies
+from framework.remat.checkpoint import checkpoint, checkpoint_name, is_checkpointed
+from framework.remat.keras_model import checkpointed_layers, set_grad_checkpointing
+from framework.remat.policies import OpInfo, get_policy, policy_names
+from framework.remat.replay import RecomputationMismatchError, UnreplayableRandomOpError
+from framework.remat.residuals import Residual, print_saved_residuals, saved_residuals
+
+__all__ = [
+    "OpInfo",
+    "RecomputationMismatchError",
+    "Residual",
+    "UnreplayableRandomOpError",
+    "checkpoint",
+    "checkpoint_name",
+    "checkpointed_layers",
+    "get_policy",
+    "is_checkpointed",
+    "policies",
+    "policy_names",
+    "print_saved_residuals",
+    "saved_residuals",
+    "set_grad_checkpointing",
+]

@@ -1,0 +1,295 @@
+"""Record the forward pass of a checkpointed region, replay it in the recomputation.
+
+TensorFlow lets an op callback (`op_callbacks.add_op_callback`) see every op created while a graph
+is built, and return replacement outputs for it. A region uses that twice:
+
+* recording (forward pass): for each op it notes type, shapes and dtypes, keeps the outputs the
+  policy saves, the seeds fed to stateless random ops, and the values written to variables;
+* replaying (recomputation): op number i must match recorded op number i (type, shapes, dtypes,
+  else `RecomputationMismatchError`, the determinism check); saved outputs replace the recomputed
+  ones so the recomputed op is pruned; random ops get the forward seeds back (same dropout mask);
+  variable writes rewrite the forward value instead of advancing state a second time.
+
+Substituted values are offset by a zero computed from the upstream gradient: without that data
+dependency the recomputed elementwise work downstream of a saved value could be scheduled in the
+forward pass (XLA ignores control dependencies), and nothing would be saved.
+
+A region's state lives in its own object; callbacks are thread-local in TensorFlow and the callback
+also checks the thread it was registered from, so replicas traced concurrently under
+`MirroredStrategy` never see each other's regions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator
+
+import tensorflow as tf
+from tensorflow.python.eager import record
+from tensorflow.python.framework import op_callbacks
+
+from framework.remat.policies import OpInfo, Policy
+
+_IGNORED_OPS = frozenset({"Placeholder", "Const", "NoOp"})
+_CONTROL_FLOW_OPS = frozenset(
+    {
+        "If",
+        "StatelessIf",
+        "While",
+        "StatelessWhile",
+        "Case",
+        "StatelessCase",
+        "PartitionedCall",
+        "StatefulPartitionedCall",
+    }
+)
+_NEVER_SAVED = _CONTROL_FLOW_OPS | {"ReadVariableOp", "VarHandleOp", "IdentityN"}
+_SEED_ARGS = frozenset({"seed", "key", "counter", "alg"})
+_STATEFUL_RANDOM_OPS = frozenset(
+    {
+        "RandomUniform",
+        "RandomUniformInt",
+        "RandomStandardNormal",
+        "TruncatedNormal",
+        "ParameterizedTruncatedNormal",
+        "RandomShuffle",
+        "RandomCrop",
+        "Multinomial",
+        "RandomGamma",
+        "RandomPoisson",
+        "RandomPoissonV2",
+        "RandomBinomial",
+        "StatefulRandomBinomial",
+        "StatefulUniform",
+        "StatefulUniformInt",
+        "StatefulUniformFullInt",
+        "StatefulStandardNormal",
+        "StatefulStandardNormalV2",
+        "StatefulTruncatedNormal",
+        "NonDeterministicInts",
+    }
+)
+# Variable writes and the input that replay neutralises so state advances once per step: absolute
+# writes get the value just read from the same variable in the recomputation (read-modify-write, as
+# Keras' SeedGenerator and BatchNormalization do), relative writes and skips get zero.
+_WRITE_OPS = {
+    "AssignVariableOp": (1, True),
+    "AssignAddVariableOp": (1, False),
+    "AssignSubVariableOp": (1, False),
+    "RngReadAndSkip": (2, False),
+    "RngSkip": (2, False),
+}
+
+
+class RecomputationMismatchError(RuntimeError):
+    """The recomputation of a region created different ops than its forward pass."""
+
+
+class UnreplayableRandomOpError(RuntimeError):
+    """A stateful random op inside a region: its recomputation would draw different numbers."""
+
+
+_local = threading.local()
+
+
+def _active_depth() -> int:
+    return getattr(_local, "depth", 0)
+
+
+def in_region() -> bool:
+    """True while this thread records or replays a region (nested checkpoints must stay active)."""
+    return _active_depth() > 0
+
+
+def pending_tag() -> str | None:
+    return getattr(_local, "tag", None)
+
+
+@contextlib.contextmanager
+def tagging(name: str) -> Iterator[None]:
+    """Marks the next op created in this thread as `checkpoint_name(..., name)`."""
+    previous = pending_tag()
+    _local.tag = name
+    try:
+        yield
+    finally:
+        _local.tag = previous
+
+
+def _shape(t: tf.Tensor) -> tuple[int | None, ...]:
+    return tuple(t.shape.as_list()) if t.shape.rank is not None else ()
+
+
+def _describe(info: OpInfo) -> str:
+    outs = ", ".join(f"{d.name}{list(s)}" for s, d in zip(info.shapes, info.dtypes, strict=False))
+    tag = f" tagged {info.name!r}" if info.name else ""
+    return f"{info.op_type}{tag} -> ({outs})"
+
+
+def _in_graph(t: tf.Tensor, graph: tf.Graph) -> tf.Tensor:
+    if t.graph is graph:
+        return t
+    return graph.capture(t)
+
+
+@dataclasses.dataclass
+class _Entry:
+    info: OpInfo
+    saved: tuple[tf.Tensor, ...] | None = None
+    seeds: dict[int, tf.Tensor] | None = None
+    written: tf.Tensor | None = None
+
+
+class Region:
+    """The recorded forward pass of one call of a checkpointed region."""
+
+    def __init__(self, policy: Policy, label: str):
+        self.policy = policy
+        self.label = label
+        self.entries: list[_Entry] = []
+        self._mode: str | None = None
+        self._cursor = 0
+        self._dep: tf.Tensor | None = None
+        self._last_read: dict = {}
+        self._thread = threading.get_ident()
+
+    @contextlib.contextmanager
+    def _active(self, mode: str) -> Iterator[None]:
+        self._thread = threading.get_ident()
+        self._mode = mode
+        _local.depth = _active_depth() + 1
+        op_callbacks.add_op_callback(self._callback)
+        try:
+            yield
+        finally:
+            op_callbacks.remove_op_callback(self._callback)
+            _local.depth = _active_depth() - 1
+            self._mode = None
+
+    def recording(self) -> contextlib.AbstractContextManager:
+        """Context in which the forward pass is built and recorded."""
+        self.entries = []
+        return self._active("record")
+
+    @contextlib.contextmanager
+    def replaying(self, dep: tf.Tensor) -> Iterator[None]:
+        """Context in which the recomputation is built; `dep` is a zero tied to the gradient."""
+        self._cursor = 0
+        self._dep = dep
+        self._last_read = {}
+        with self._active("replay"):
+            yield
+        if self._cursor != len(self.entries):
+            missing = self.entries[self._cursor].info
+            raise RecomputationMismatchError(
+                f"Recomputation of remat region {self.label!r} stopped after {self._cursor} ops; "
+                f"its forward pass went on with op #{self._cursor}: {_describe(missing)}. The "
+                "region must build the same ops on every call (no Python state that changes "
+                "between the forward pass and the recomputation)."
+            )
+
+    def saved_tensors(self) -> list[tuple[OpInfo, tf.Tensor]]:
+        """The (op, tensor) pairs the policy kept in the forward pass."""
+        return [(e.info, t) for e in self.entries if e.saved for t in e.saved]
+
+    def _callback(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        if (
+            graph is None
+            or self._mode is None
+            or op_type in _IGNORED_OPS
+            or threading.get_ident() != self._thread
+        ):
+            return None
+        info = OpInfo(
+            op_type=op_type,
+            shapes=tuple(_shape(t) for t in outputs),
+            dtypes=tuple(t.dtype for t in outputs),
+            name=pending_tag() if op_type == "Identity" else None,
+            attrs=tuple(attrs) if attrs else (),
+            input_shapes=tuple(_shape(t) for t in inputs),
+        )
+        if info.op_type in _WRITE_OPS or info.op_type.startswith("Stateless"):
+            # An enclosing region may have rewired this op's inputs already: read them back.
+            inputs = tuple(graph.get_operation_by_name(op_name).inputs)
+        if self._mode == "record":
+            self._record(info, inputs, outputs, op_name, graph)
+            return None
+        return self._replay(info, inputs, outputs, op_name, graph)
+
+    def _record(self, info, inputs, outputs, op_name, graph) -> None:
+        if info.op_type in _STATEFUL_RANDOM_OPS:
+            raise UnreplayableRandomOpError(
+                f"Remat region {self.label!r} contains the stateful random op {info.op_type} "
+                f"({op_name}); its recomputation would draw different numbers and give wrong "
+                "gradients. Use stateless randomness instead: keras.random / keras.layers.Dropout "
+                "with a SeedGenerator, tf.random.stateless_*, or tf.random.Generator."
+            )
+        entry = _Entry(info)
+        if info.op_type in _WRITE_OPS:
+            index, absolute = _WRITE_OPS[info.op_type]
+            if absolute:
+                entry.written = inputs[index]
+        elif info.op_type.startswith("Stateless") and info.op_type not in _CONTROL_FLOW_OPS:
+            names = [arg.name for arg in graph.get_operation_by_name(op_name).op_def.input_arg]
+            entry.seeds = {i: inputs[i] for i, n in enumerate(names) if n in _SEED_ARGS}
+        elif (
+            outputs
+            and info.op_type not in _NEVER_SAVED
+            and all(t.dtype not in (tf.resource, tf.variant) for t in outputs)
+            and self.policy(info)
+        ):
+            entry.saved = tuple(outputs)
+        self.entries.append(entry)
+
+    def _replay(self, info, inputs, outputs, op_name, graph):
+        index = self._cursor
+        if index >= len(self.entries):
+            raise RecomputationMismatchError(
+                f"Recomputation of remat region {self.label!r} created more ops than its forward "
+                f"pass ({len(self.entries)}); first extra op #{index}: {_describe(info)}."
+            )
+        entry = self.entries[index]
+        self._cursor += 1
+        expected = entry.info
+        if (expected.op_type, expected.shapes, expected.dtypes) != (
+            info.op_type,
+            info.shapes,
+            info.dtypes,
+        ):
+            raise RecomputationMismatchError(
+                f"Recomputation of remat region {self.label!r} differs from its forward pass at "
+                f"op #{index}: forward built {_describe(expected)}, recomputation built "
+                f"{_describe(info)}."
+            )
+        if info.op_type == "ReadVariableOp":
+            self._last_read[inputs[0].ref()] = outputs[0]
+        if info.op_type in _WRITE_OPS:
+            op = graph.get_operation_by_name(op_name)
+            position, absolute = _WRITE_OPS[info.op_type]
+            with graph.as_default(), record.stop_recording():
+                if not absolute:
+                    value = tf.zeros_like(inputs[position])
+                elif inputs[0].ref() in self._last_read:
+                    value = self._last_read[inputs[0].ref()]
+                else:
+                    value = _in_graph(entry.written, graph)
+            op._update_input(position, value)
+            return None
+        if entry.seeds:
+            op = graph.get_operation_by_name(op_name)
+            for position, seed in entry.seeds.items():
+                op._update_input(position, _in_graph(seed, graph))
+            return None
+        if entry.saved is not None:
+            with graph.as_default(), record.stop_recording():
+                return tuple(self._with_dep(_in_graph(t, graph)) for t in entry.saved)
+        return None
+
+    def _with_dep(self, t: tf.Tensor) -> tf.Tensor:
+        if t.dtype == tf.bool:
+            return tf.logical_or(t, tf.cast(self._dep, tf.bool))
+        if t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex:
+            return t + tf.cast(self._dep, t.dtype)
+        return t

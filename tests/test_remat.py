@@ -1,0 +1,423 @@
+"""Tests for framework.remat: gradients equal to no remat (dropout on), API, errors, XLA, residuals.
+
+Tests that need a fresh process (BFC allocator, logical devices) are in test_remat_subprocess.py.
+The small transformer-like `Block` here is also used by those subprocess scenarios.
+"""
+
+from __future__ import annotations
+
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from framework import remat
+from framework.remat import policies
+
+TOL = 1e-5
+
+
+class Block(keras.layers.Layer):
+    """Pre-norm transformer-like block: LayerNorm, einsum attention, MLP, three Dropouts."""
+
+    def __init__(self, d: int = 16, heads: int = 2, rate: float = 0.2, tagged: bool = True, **kw):
+        super().__init__(**kw)
+        self.d, self.h, self.rate, self.tagged = d, heads, rate, tagged
+        self.ln1 = keras.layers.LayerNormalization()
+        self.ln2 = keras.layers.LayerNormalization()
+        self.qkv = keras.layers.Dense(3 * d)
+        self.proj = keras.layers.Dense(d)
+        self.fc1 = keras.layers.Dense(4 * d, activation="gelu")
+        self.fc2 = keras.layers.Dense(d)
+        self.drop = keras.layers.Dropout(rate, seed=3)
+
+    def call(self, x, training=None):
+        b, s = tf.shape(x)[0], tf.shape(x)[1]
+        qkv = tf.reshape(self.qkv(self.ln1(x)), [b, s, 3, self.h, self.d // self.h])
+        q, k, v = tf.unstack(qkv, axis=2)
+        a = tf.nn.softmax(tf.einsum("bqhd,bkhd->bhqk", q, k) / 4.0)
+        a = self.drop(a, training=training)
+        o = tf.reshape(tf.einsum("bhqk,bkhd->bqhd", a, v), [b, s, self.d])
+        if self.tagged:
+            o = remat.checkpoint_name(o, "attn_out")
+        x = x + self.drop(self.proj(o), training=training)
+        h = self.fc1(self.ln2(x))
+        if self.tagged:
+            h = remat.checkpoint_name(h, "mlp_hidden")
+        return x + self.drop(self.fc2(h), training=training)
+
+    def get_config(self):
+        return {**super().get_config(), "d": self.d, "heads": self.h, "rate": self.rate}
+
+
+def rel_err(got, want) -> float:
+    errs = []
+    for a, b in zip(tf.nest.flatten(got), tf.nest.flatten(want), strict=False):
+        assert a is not None and b is not None
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        errs.append(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+    return max(errs)
+
+
+ALL_POLICIES = [
+    "everything_saveable",
+    "nothing_saveable",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    policies.save_only_these_names("attn_out"),
+    policies.save_any_names_but_these("attn_out"),
+    lambda op: op.op_type in ("Softmax", "Erf") or op.name == "mlp_hidden",
+]
+POLICY_IDS = ["everything", "nothing", "dots", "dots_no_batch", "only_names", "but_names", "custom"]
+
+
+def make_stack(n: int = 1, d: int = 16, seq: int = 8, batch: int = 2):
+    keras.utils.set_random_seed(1)
+    blocks = [Block(d=d, name=f"block{i}") for i in range(n)]
+    x = tf.random.normal((batch, seq, d))
+    for blk in blocks:
+        blk(x)
+    return blocks, x
+
+
+def stack_step(blocks, mode: str):
+    variables = [v for blk in blocks for v in blk.trainable_variables]
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = x
+            for blk in blocks:
+                y = blk(y, training=True)
+            loss = tf.reduce_sum(y * y)
+        return [loss] + tape.gradient(loss, [x] + variables)
+
+    if mode == "graph":
+        return tf.function(step)
+    if mode == "xla":
+        return tf.function(step, jit_compile=True)
+    return step
+
+
+def seed_states(blocks):
+    return [blk.drop.seed_generator.state.numpy().tolist() for blk in blocks]
+
+
+def reset_seeds(blocks):
+    for blk in blocks:
+        blk.drop.seed_generator.state.assign([3, 0])
+
+
+@pytest.fixture(scope="module")
+def stack():
+    return make_stack(n=1)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+def test_every_policy_matches_no_remat_with_dropout(stack, mode):
+    blocks, _ = stack
+    x = tf.random.normal((2, 8, 16), seed=7)
+    for blk in blocks:
+        remat.checkpoint(blk, None)
+    reset_seeds(blocks)
+    want = stack_step(blocks, mode)(x)
+    want_states = seed_states(blocks)
+    reset_seeds(blocks)
+    no_dropout = stack_step(blocks, mode)
+    for blk in blocks:
+        blk.drop.rate = 0.0
+    assert abs(float(no_dropout(x)[0]) - float(want[0])) > 1e-3, "dropout must be active"
+    for blk in blocks:
+        blk.drop.rate = 0.2
+    for policy, pid in zip(ALL_POLICIES, POLICY_IDS, strict=False):
+        for blk in blocks:
+            remat.checkpoint(blk, policy)
+        reset_seeds(blocks)
+        got = stack_step(blocks, mode)(x)
+        assert rel_err(got, want) < TOL, (mode, pid, rel_err(got, want))
+        assert seed_states(blocks) == want_states, "RNG state must advance once per call"
+    for blk in blocks:
+        remat.checkpoint(blk, None)
+
+
+def test_function_signature_kwargs_nested_ints_and_variables():
+    w = tf.Variable(tf.random.normal((4, 4), seed=1))
+    seed = tf.constant([5, 6])
+
+    def fn(x, pair, *, scale, mask=None, repeat=2, flag=True):
+        a, b = pair
+        h = x @ w
+        for _ in range(repeat):
+            h = tf.tanh(h) * scale
+        h = tf.nn.experimental.stateless_dropout(h, 0.3, seed=seed)
+        ids = tf.cast(mask, tf.int32) * 2
+        return {"h": h + a, "parts": (h * b, ids), "flag": flag, "none": None}
+
+    def loss_of(out):
+        return tf.reduce_sum(out["h"] ** 2) + tf.reduce_sum(out["parts"][0])
+
+    x = tf.random.normal((3, 4), seed=2)
+    a, b = tf.random.normal((3, 4), seed=3), tf.random.normal((3, 4), seed=4)
+    mask = tf.constant([[True, False, True, True]] * 3)
+    wrapped = remat.checkpoint(fn, "dots_saveable")
+
+    def grads(f, tape_mode):
+        def run():
+            with tf.GradientTape() as tape:
+                tape.watch([x, a, b])
+                out = f(x, (a, b), scale=tf.constant(0.5), mask=mask, repeat=3)
+                loss = loss_of(out)
+            assert out["flag"] is True and out["none"] is None
+            assert out["parts"][1].dtype == tf.int32
+            return out["parts"][1], tape.gradient(loss, [x, a, b, w])
+
+        return tf.function(run)() if tape_mode == "graph" else run()
+
+    for mode in ("eager", "graph"):
+        ids_ref, g_ref = grads(fn, mode)
+        ids, g = grads(wrapped, mode)
+        np.testing.assert_array_equal(ids, ids_ref)
+        assert rel_err(g, g_ref) < TOL
+
+
+def test_keyword_only_call_gets_gradients_in_eager():
+    wrapped = remat.checkpoint(lambda *, x: tf.sin(x) * x)
+    x = tf.constant([0.5, 1.0])
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = wrapped(x=x)
+    g = tape.gradient(y, x)
+    assert g is not None
+    np.testing.assert_allclose(g, np.cos(x) * x + np.sin(x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable"])
+def test_nested_checkpoints_and_keras_random(policy):
+    gen = keras.random.SeedGenerator(11)
+    w1 = tf.Variable(tf.random.normal((8, 8), seed=5))
+    w2 = tf.Variable(tf.random.normal((8, 8), seed=6))
+
+    def inner(h):
+        h = tf.nn.relu(h @ w2)
+        return keras.random.dropout(h, 0.5, seed=gen)
+
+    def outer_with(inner_fn):
+        def outer(x):
+            h = tf.tanh(x @ w1)
+            h = inner_fn(h) + keras.random.normal(tf.shape(h), seed=gen) * 0.1
+            return inner_fn(h)
+
+        return outer
+
+    x = tf.random.normal((4, 8), seed=8)
+
+    @tf.function
+    def run(f):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(f(x) ** 2)
+        return [loss] + tape.gradient(loss, [x, w1, w2])
+
+    gen.state.assign([11, 0])
+    want = run(outer_with(inner))
+    state = gen.state.numpy().tolist()
+    gen.state.assign([11, 0])
+    nested = remat.checkpoint(outer_with(remat.checkpoint(inner, policy)), policy)
+    got = run(nested)
+    assert rel_err(got, want) < TOL
+    assert gen.state.numpy().tolist() == state
+
+
+def test_stateful_random_op_is_a_clear_error():
+    wrapped = remat.checkpoint(lambda x: tf.nn.dropout(x, 0.5))
+    x = tf.ones((4, 4))
+    with pytest.raises(remat.UnreplayableRandomOpError, match="RandomUniform"):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            wrapped(x)
+
+
+def test_determinism_check_names_first_difference():
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return tf.exp(x) if len(calls) == 1 else tf.sigmoid(x)
+
+    wrapped = remat.checkpoint(fn)
+
+    @tf.function(autograph=False)
+    def run(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = wrapped(x)
+        return tape.gradient(y, x)
+
+    with pytest.raises(remat.RecomputationMismatchError, match=r"op #0.*Exp.*Sigmoid"):
+        run(tf.ones((2, 3)))
+
+
+def test_policy_resolution_and_predicates():
+    assert remat.get_policy("full") is policies.nothing_saveable
+    assert remat.get_policy("dots") is policies.dots_saveable
+    assert remat.get_policy(None) is policies.everything_saveable
+    assert remat.get_policy("none") is policies.everything_saveable
+    assert remat.get_policy("Dots_Saveable") is policies.dots_saveable
+    with pytest.raises(ValueError, match="dots_with_no_batch_dims_saveable"):
+        remat.get_policy("dot")
+
+    def einsum(eq):
+        attr = tf.compat.v1.AttrValue(s=eq.encode())
+        return remat.OpInfo("Einsum", ((1,),), (tf.float32,), attrs=("equation", attr))
+
+    no_batch = policies.dots_with_no_batch_dims_saveable
+    assert no_batch(einsum("bsd,df->bsf")) and not no_batch(einsum("bhqd,bhkd->bhqk"))
+    assert no_batch(remat.OpInfo("BatchMatMulV2", (), (), input_shapes=((2, 3, 4), (4, 5))))
+    assert not no_batch(remat.OpInfo("BatchMatMulV2", (), (), input_shapes=((2, 3, 4), (2, 4, 5))))
+    only = policies.save_only_these_names("a")
+    assert only(remat.OpInfo("Identity", (), (), name="a"))
+    assert not only(remat.OpInfo("Identity", (), (), name="b"))
+
+
+def _count_dots(step, x) -> int:
+    hlo = step.experimental_get_compiler_ir(x)(stage="optimized_hlo")
+    return len(re.findall(r"\bdot\(", hlo))
+
+
+def test_xla_keeps_recomputation_and_saved_dots():
+    blocks, x = make_stack(n=2)
+    counts = {}
+    for policy in ("everything_saveable", "nothing_saveable", "dots_saveable"):
+        for blk in blocks:
+            remat.checkpoint(blk, policy)
+        counts[policy] = _count_dots(stack_step(blocks, "xla"), x)
+    assert counts["dots_saveable"] == counts["everything_saveable"], counts
+    assert counts["nothing_saveable"] > counts["everything_saveable"], counts
+
+
+def test_saved_residuals_reports_what_the_policy_keeps(capsys):
+    blocks, x = make_stack(n=1)
+    blk = blocks[0]
+
+    def loss(x):
+        return tf.reduce_sum(blk(x, training=True) ** 2)
+
+    def activation_bytes(policy):
+        remat.checkpoint(blk, policy)
+        rows = remat.saved_residuals(loss, x)
+        return rows, sum(r.bytes for r in rows if r.kind == "activation")
+
+    rows_all, full = activation_bytes("everything_saveable")
+    rows_none, none = activation_bytes("nothing_saveable")
+    rows_dots, dots = activation_bytes("dots_saveable")
+    rows_names, _ = activation_bytes(policies.save_only_these_names("attn_out"))
+    assert none < dots < full
+    assert any(r.kind == "argument" and r.shape == (2, 8, 16) for r in rows_none)
+    assert not any("Einsum" in r.origin for r in rows_none)
+    assert any("Einsum" in r.origin for r in rows_dots)
+    assert any("checkpoint_name 'attn_out'" in r.origin for r in rows_names)
+    assert all(r.bytes == int(np.prod(r.shape)) * tf.as_dtype(r.dtype).size for r in rows_all)
+    remat.print_saved_residuals(loss, x)
+    printed = capsys.readouterr().out
+    assert "total:" in printed and "bytes" in printed
+    remat.checkpoint(blk, None)
+
+
+def _functional(n_blocks=2):
+    inp = keras.Input((8, 16))
+    h = keras.layers.Dense(16, name="embed")(inp)
+    for i in range(n_blocks):
+        h = Block(name=f"blk{i}")(h)
+    out = keras.layers.Dense(1, name="head")(keras.layers.GlobalAveragePooling1D()(h))
+    return keras.Model(inp, out)
+
+
+class Subclassed(keras.Model):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.embed = keras.layers.Dense(16)
+        self.blocks = [Block(name=f"sblk{i}") for i in range(2)]
+        self.pool = keras.layers.GlobalAveragePooling1D()
+        self.head = keras.layers.Dense(1)
+
+    def call(self, x, training=None):
+        h = self.embed(x)
+        for blk in self.blocks:
+            h = blk(h, training=training)
+        return self.head(self.pool(h))
+
+
+def _sequential():
+    return keras.Sequential(
+        [
+            keras.Input((8, 16)),
+            keras.layers.Dense(16),
+            Block(name="q0"),
+            Block(name="q1"),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(1),
+        ]
+    )
+
+
+def _fit_weights(build, remat_kwargs, jit_compile):
+    keras.utils.set_random_seed(2)
+    model = build()
+    model(np.zeros((1, 8, 16), np.float32))
+    if remat_kwargs is not None:
+        remat.set_grad_checkpointing(model, **remat_kwargs)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=jit_compile)
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(8, 8, 16)).astype(np.float32)
+    ys = rng.normal(size=(8, 1)).astype(np.float32)
+    model.fit(xs, ys, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    return model, [v.numpy() for v in model.trainable_variables]
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_fit_functional_matches_no_remat(jit_compile):
+    _, want = _fit_weights(_functional, None, jit_compile)
+    model, got = _fit_weights(_functional, {"policy": "dots_saveable"}, jit_compile)
+    assert sorted(layer.name for layer in remat.checkpointed_layers(model)) == ["blk0", "blk1"]
+    assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize("build", [_sequential, Subclassed], ids=["sequential", "subclassed"])
+def test_fit_sequential_and_subclassed_match_no_remat(build):
+    _, want = _fit_weights(build, None, True)
+    model, got = _fit_weights(build, {"policy": "full"}, True)
+    assert len(remat.checkpointed_layers(model)) == 2
+    assert all(isinstance(layer, Block) for layer in remat.checkpointed_layers(model))
+    assert rel_err(got, want) < TOL
+
+
+def test_set_grad_checkpointing_selection_undo_and_serialization(tmp_path):
+    model = _functional(3)
+    model(np.zeros((1, 8, 16), np.float32))
+    chosen = remat.set_grad_checkpointing(model, layers=["blk1", "head"])
+    assert sorted(layer.name for layer in chosen) == ["blk1", "head"]
+    chosen = remat.set_grad_checkpointing(model, layers=keras.layers.Dense)
+    assert {"embed", "head"} < {layer.name for layer in chosen} and len(chosen) == 2 + 3 * 4
+    chosen = remat.set_grad_checkpointing(model, layers=lambda layer: layer.name == "blk2")
+    assert [layer.name for layer in chosen] == ["blk2"]
+    with pytest.raises(ValueError, match="nope"):
+        remat.set_grad_checkpointing(model, layers=["nope"])
+    x = np.random.default_rng(1).normal(size=(2, 8, 16)).astype(np.float32)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, np.zeros((2, 1), np.float32), verbose=0)
+    assert model.train_function is not None
+    remat.set_grad_checkpointing(model, policy="dots")
+    assert model.train_function is None, "compiled functions must be retraced with remat"
+    model.fit(x, np.zeros((2, 1), np.float32), verbose=0)
+    before = model(x).numpy()
+    path = tmp_path / "m.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path, custom_objects={"Block": Block})
+    np.testing.assert_allclose(loaded(x).numpy(), before, rtol=1e-6)
+    assert remat.set_grad_checkpointing(model, enable=False) == []
+    assert remat.checkpointed_layers(model) == []
+    assert type(model.get_layer("blk0")).call is Block.call
+    assert "call" not in model.get_layer("blk0").__dict__
+    np.testing.assert_allclose(model(x).numpy(), before, rtol=1e-6)

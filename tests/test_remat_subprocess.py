@@ -1,0 +1,194 @@
+"""framework.remat checks that need a fresh process: allocator memory, leaks, MirroredStrategy.
+
+The BFC allocator statistics (DESIGN fact 1) and logical CPU devices (fact 7) must be configured
+before TensorFlow initialises, which pytest's shared process has already done. Each test runs this
+file as a script with a scenario name; the scenario prints one JSON line that the test checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def run_scenario(name: str) -> dict:
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), name],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_memory_ratios_under_xla():
+    peaks = run_scenario("memory")
+    full, none, dots = peaks["everything_saveable"], peaks["nothing_saveable"], peaks["dots"]
+    assert none <= 0.35 * full, peaks
+    assert none < dots < full, peaks
+
+
+def test_no_leak_over_50_steps():
+    drift = run_scenario("leak")
+    for key, grown in drift.items():
+        assert grown <= 32 * 1024, (key, drift)
+
+
+def test_mirrored_strategy_two_replicas():
+    errors = run_scenario("mirrored")
+    assert errors, "no policy was checked"
+    for key, err in errors.items():
+        assert err < 1e-5, (key, errors)
+
+
+def _stack(tf, keras, n, d, seq, batch):
+    from test_remat import Block
+
+    keras.utils.set_random_seed(0)
+    blocks = [Block(d=d, heads=4, name=f"b{i}") for i in range(n)]
+    x = tf.random.normal((batch, seq, d))
+    for blk in blocks:
+        blk(x)
+    return blocks, x
+
+
+def _memory() -> dict:
+    import keras
+    import tensorflow as tf
+
+    from framework import remat
+
+    blocks, x = _stack(tf, keras, n=8, d=64, seq=128, batch=8)
+    variables = [v for blk in blocks for v in blk.trainable_variables]
+    peaks = {}
+    for policy in ("everything_saveable", "nothing_saveable", "dots"):
+        for blk in blocks:
+            remat.checkpoint(blk, policy)
+
+        @tf.function(jit_compile=True)
+        def step(x):
+            with tf.GradientTape() as tape:
+                y = x
+                for blk in blocks:
+                    y = blk(y, training=True)
+                loss = tf.reduce_sum(y * y)
+            return tape.gradient(loss, variables)
+
+        step(x)
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        base = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        grads = step(x)
+        peaks[policy] = tf.config.experimental.get_memory_info("CPU:0")["peak"] - base
+        del grads
+    return peaks
+
+
+def _leak() -> dict:
+    import keras
+    import tensorflow as tf
+
+    from framework import remat
+
+    blocks, x = _stack(tf, keras, n=2, d=32, seq=32, batch=4)
+    variables = [v for blk in blocks for v in blk.trainable_variables]
+    drift = {}
+    for mode in ("eager", "graph", "xla"):
+        for policy in ("nothing_saveable", "dots_saveable"):
+            for blk in blocks:
+                remat.checkpoint(blk, policy)
+
+            def step(x):
+                with tf.GradientTape() as tape:
+                    y = x
+                    for blk in blocks:
+                        y = blk(y, training=True)
+                    loss = tf.reduce_sum(y * y)
+                for v, g in zip(variables, tape.gradient(loss, variables), strict=False):
+                    v.assign_sub(1e-6 * g)
+                return loss
+
+            if mode != "eager":
+                step = tf.function(step, jit_compile=mode == "xla")
+            live = []
+            for _ in range(50):
+                live.append(tf.config.experimental.get_memory_info("CPU:0")["current"])
+                step(x)
+            # Allocator noise is +-20 KiB here; a leak of one small activation per step (16 KiB)
+            # grows the later window by 300 KiB.
+            drift[f"{mode}/{policy}"] = max(live[30:]) - max(live[5:30])
+    return drift
+
+
+def _mirrored() -> dict:
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()]
+    )
+    import keras
+
+    from framework import remat
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        blocks, _ = _stack(tf, keras, n=2, d=16, seq=8, batch=2)
+        scale = tf.Variable(1.5)
+    variables = [v for blk in blocks for v in blk.trainable_variables] + [scale]
+    data = tf.random.normal((4, 8, 16), seed=3)
+    dist = strategy.experimental_distribute_values_from_function(
+        lambda ctx: data[2 * ctx.replica_id_in_sync_group : 2 * ctx.replica_id_in_sync_group + 2]
+    )
+
+    def loss_grads(x):
+        with tf.GradientTape() as tape:
+            y = x * scale
+            for blk in blocks:
+                y = blk(y, training=True)
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, variables)
+
+    def run(jit):
+        def replica(x):
+            fn = tf.function(loss_grads, jit_compile=True) if jit else loss_grads
+            return fn(x)
+
+        @tf.function
+        def distributed(x):
+            return strategy.run(replica, args=(x,))
+
+        for blk in blocks:
+            blk.drop.seed_generator.state.assign([3, 0])
+        per_replica = distributed(dist)
+        return [strategy.experimental_local_results(g) for g in per_replica]
+
+    errors = {}
+    for jit in (False, True):
+        for blk in blocks:
+            remat.checkpoint(blk, None)
+        want = run(jit)
+        for policy in ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable"):
+            for blk in blocks:
+                remat.checkpoint(blk, policy)
+            got = run(jit)
+            err = 0.0
+            for g_rep, w_rep in zip(got, want, strict=False):
+                for g, w in zip(g_rep, w_rep, strict=False):
+                    assert g is not None
+                    err = max(err, float(tf.norm(g - w) / (tf.norm(w) + 1e-30)))
+            errors[f"jit={jit}/{policy}"] = err
+    return errors
+
+
+if __name__ == "__main__":
+    scenario = {"memory": _memory, "leak": _leak, "mirrored": _mirrored}[sys.argv[1]]
+    print(json.dumps(scenario()))
