@@ -28,15 +28,22 @@ def child_env(env: dict[str, str | None] | None = None) -> dict[str, str]:
     return result
 
 
-def run_python(script: str, env: dict[str, str | None] | None = None, timeout: int = 300) -> dict:
-    """Runs `script`, which prints one JSON object as its last line of output, and returns it."""
+def run_json(
+    args: list[str], env: dict[str, str | None] | None = None, timeout: int = 300
+) -> dict:
+    """Runs `python ARGS`, which prints one JSON object as its last line of output; returns it."""
     proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
+        [sys.executable, *args],
         env=child_env(env),
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_python(script: str, env: dict[str, str | None] | None = None, timeout: int = 300) -> dict:
+    """Runs `script` (dedented), which prints one JSON object as its last line; returns it."""
+    return run_json(["-c", textwrap.dedent(script)], env, timeout)

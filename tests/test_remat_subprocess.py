@@ -8,26 +8,13 @@ file as a script with a scenario name; the scenario prints one JSON line that th
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from tests.subprocesses import run_json
 
 
 def run_scenario(name: str) -> dict:
-    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2")
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), name],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_json([__file__, name], {"TF_CPU_ALLOCATOR_USE_BFC": "true"}, timeout=600)
 
 
 def test_memory_ratios_under_xla():
@@ -61,11 +48,17 @@ def _stack(tf, keras, n, d, seq, batch):
     return blocks, x
 
 
+def _loss(tf, blocks, y):
+    for blk in blocks:
+        y = blk(y, training=True)
+    return tf.reduce_sum(y * y)
+
+
 def _memory() -> dict:
     import keras
     import tensorflow as tf
 
-    from framework import remat
+    from framework import memory, remat
 
     blocks, x = _stack(tf, keras, n=8, d=64, seq=128, batch=8)
     variables = [v for blk in blocks for v in blk.trainable_variables]
@@ -77,18 +70,11 @@ def _memory() -> dict:
         @tf.function(jit_compile=True)
         def step(x):
             with tf.GradientTape() as tape:
-                y = x
-                for blk in blocks:
-                    y = blk(y, training=True)
-                loss = tf.reduce_sum(y * y)
+                loss = _loss(tf, blocks, x)
             return tape.gradient(loss, variables)
 
         step(x)
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        base = tf.config.experimental.get_memory_info("CPU:0")["current"]
-        grads = step(x)
-        peaks[policy] = tf.config.experimental.get_memory_info("CPU:0")["peak"] - base
-        del grads
+        peaks[policy] = memory.peak_bytes(step, x).step_bytes
     return peaks
 
 
@@ -108,10 +94,7 @@ def _leak() -> dict:
 
             def step(x):
                 with tf.GradientTape() as tape:
-                    y = x
-                    for blk in blocks:
-                        y = blk(y, training=True)
-                    loss = tf.reduce_sum(y * y)
+                    loss = _loss(tf, blocks, x)
                 for v, g in zip(variables, tape.gradient(loss, variables), strict=False):
                     v.assign_sub(1e-6 * g)
                 return loss
@@ -151,10 +134,7 @@ def _mirrored() -> dict:
 
     def loss_grads(x):
         with tf.GradientTape() as tape:
-            y = x * scale
-            for blk in blocks:
-                y = blk(y, training=True)
-            loss = tf.reduce_sum(y * y)
+            loss = _loss(tf, blocks, x * scale)
         return tape.gradient(loss, variables)
 
     def run(jit):

@@ -90,6 +90,20 @@ def _sorted(buffers: Iterable[Buffer]) -> tuple[Buffer, ...]:
     return tuple(sorted(buffers, key=lambda b: (-b.size_bytes, b.instruction)))
 
 
+def _compiled_memory(
+    module: str, totals: collections.Counter, peak_buffers: list[Buffer]
+) -> CompiledMemory:
+    return CompiledMemory(
+        module=module,
+        total_bytes=sum(totals.values()),
+        parameter_bytes=totals["parameter"],
+        output_bytes=totals["output"],
+        temp_bytes=totals["temp"],
+        peak_bytes=sum(b.size_bytes for b in peak_buffers),
+        peak_buffers=_sorted(peak_buffers),
+    )
+
+
 def _allocation_kind(is_parameter: bool, is_output: bool) -> str:
     if is_parameter:
         return "parameter"
@@ -195,15 +209,7 @@ def memory_from_hlo_proto(proto: hlo_pb2.HloProto) -> CompiledMemory:
         for buffer_id, name in _heap_peak(trace, sizes).items():
             index = logical[buffer_id].defined_at.shape_index
             peak_buffers.append(describe(name, index, sizes[buffer_id], "temp"))
-    return CompiledMemory(
-        module=module.name,
-        total_bytes=sum(totals.values()),
-        parameter_bytes=totals["parameter"],
-        output_bytes=totals["output"],
-        temp_bytes=totals["temp"],
-        peak_bytes=sum(b.size_bytes for b in peak_buffers),
-        peak_buffers=_sorted(peak_buffers),
-    )
+    return _compiled_memory(module.name, totals, peak_buffers)
 
 
 def compiled_bytes(
@@ -299,12 +305,4 @@ def parse_buffer_assignment(text: str, module: str = "") -> CompiledMemory:
             section = "done"
     if not totals:
         raise ValueError("The buffer assignment lists no allocations.")
-    return CompiledMemory(
-        module=module,
-        total_bytes=sum(totals.values()),
-        parameter_bytes=totals["parameter"],
-        output_bytes=totals["output"],
-        temp_bytes=totals["temp"],
-        peak_bytes=sum(b.size_bytes for b in peak_buffers),
-        peak_buffers=_sorted(peak_buffers),
-    )
+    return _compiled_memory(module, totals, peak_buffers)
