@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import gin
 import keras
+import numpy as np
 import tensorflow as tf
 
 from framework import distribute, memory, optim, remat, xla
@@ -249,6 +250,37 @@ class Trainer:
         )
         return metrics
 
+    def train_iterator(self):
+        """An iterator over the distributed training data, from the current step on."""
+        return iter(self._distributed_dataset("train", start_step=self.step))
+
+    def run_steps(self, iterator, num_steps: int) -> np.ndarray:
+        """Runs `num_steps` compiled train steps; returns the sums of loss, correct, count and
+        gradient norm. No logging, checkpoints or summaries: `train` adds those, and memory
+        and speed measurements (`framework.plan`) call this directly."""
+        try:
+            return self._train_loop(iterator, tf.constant(num_steps)).numpy()
+        except tf.errors.OutOfRangeError:
+            raise TrainerError(
+                f"the training data ran out at step {self.step}: dataset_fn('train', ...) "
+                "must repeat forever (or hold at least train_steps batches)"
+            ) from None
+
+    def compiled_step(self):
+        """The per-replica forward and backward pass as XLA compiles it, and a batch to call it
+        with: what `memory.compiled_bytes` reads XLA's buffer assignment of."""
+        batch_size = self.global_batch_size // self.strategy.num_replicas_in_sync
+        dataset = self.dataset_fn(
+            "train",
+            batch_size,
+            start_step=0,
+            pipeline_id=0,
+            num_pipelines=1,
+            replicas_per_pipeline=1,
+        )
+        batch = next(iter(dataset))
+        return tf.function(self._gradients, jit_compile=True), batch
+
     def train(self, max_steps: int | None = None) -> dict[str, float]:
         """Trains from the current step to `train_steps` and returns the last loop's metrics.
 
@@ -260,23 +292,15 @@ class Trainer:
         if start >= stop:
             logging.info("at step %d of %d: nothing to train", start, self.train_steps)
             return {}
-        iterator = iter(self._distributed_dataset("train", start_step=start))
+        iterator = self.train_iterator()
         metrics: dict[str, float] = {}
         run_start = time.perf_counter()
         while self.step < stop:
             steps = min(self.steps_per_loop, stop - self.step)
             loop_start = time.perf_counter()
-            try:
-                tracker = memory.PeakTracker(self._memory_device, strict=False)
-                with tracker if self._memory_device else contextlib.nullcontext():
-                    loss_sum, correct, count, norm_sum = self._train_loop(
-                        iterator, tf.constant(steps)
-                    ).numpy()
-            except tf.errors.OutOfRangeError:
-                raise TrainerError(
-                    f"the training data ran out at step {self.step}: dataset_fn('train', ...) "
-                    "must repeat forever (or hold at least train_steps batches)"
-                ) from None
+            tracker = memory.PeakTracker(self._memory_device, strict=False)
+            with tracker if self._memory_device else contextlib.nullcontext():
+                loss_sum, correct, count, norm_sum = self.run_steps(iterator, steps)
             seconds = time.perf_counter() - loop_start
             examples = steps * self.global_batch_size
             metrics = {
