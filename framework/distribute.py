@@ -1,17 +1,31 @@
 """One factory for the `tf.distribute` strategy a run uses, chosen by name.
 
-`one_device` runs on the first GPU/TPU core or the CPU; `mirrored` replicates over all local GPUs,
-or, on a machine without accelerators, over `cpu_devices` logical CPU devices, so data parallelism
-runs and is tested on a laptop exactly as it runs on an 8-GPU host.
+- `one_device`: the first GPU, or the CPU.
+- `mirrored`: all local GPUs; on a machine without accelerators, `cpu_devices` logical CPU devices,
+  so data parallelism runs and is tested on a laptop exactly as on an 8-GPU host.
+- `multi_worker_mirrored`: several hosts (or local processes) described by `TF_CONFIG`, with ring
+  or NCCL collectives.
+- `tpu`: a Cloud TPU, by name, `local` (a TPU VM) or a `grpc://host:port` address.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
+import urllib.parse
 
 import tensorflow as tf
 
-STRATEGIES = ("one_device", "mirrored")
+STRATEGIES = ("one_device", "mirrored", "multi_worker_mirrored", "tpu")
+COLLECTIVES = {
+    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+}
+CLOUD_TPU_CLIENT_HELP = (
+    "the legacy TPU-node path needs cloud-tpu-client, which cannot be installed with its declared "
+    "dependencies without breaking TensorFlow; run `bash launch/install_cloud_tpu_client.sh`"
+)
 
 
 def split_cpu(num_devices: int) -> list[str]:
@@ -30,23 +44,99 @@ def split_cpu(num_devices: int) -> list[str]:
     return [device.name for device in tf.config.list_logical_devices("CPU")]
 
 
+def check_reachable(address: str, timeout: float = 5.0) -> None:
+    """Fails fast, with a clear message, when nothing listens at a `grpc://host:port` address.
+
+    Connecting to an unreachable TPU otherwise blocks for minutes inside TensorFlow.
+    """
+    parsed = urllib.parse.urlparse(address)
+    try:
+        socket.create_connection((parsed.hostname, parsed.port), timeout=timeout).close()
+    except OSError as error:
+        raise ConnectionError(
+            f"no TPU answers at {address} ({error.strerror or error}). Check the TPU's name or "
+            "address, that it is READY (`gcloud compute tpus list`), and the firewall."
+        ) from None
+
+
+def configure_tpu_node(tpu: str, zone: str | None = None, project: str | None = None) -> None:
+    """Legacy TPU nodes: sets the TPU runtime to this TensorFlow version and waits until healthy.
+
+    TPU VMs do not need this; TPU nodes (a separate TPU host reached over gRPC) must run the same
+    TensorFlow version as the client.
+    """
+    try:
+        from cloud_tpu_client import Client
+    except ImportError:
+        raise ImportError(CLOUD_TPU_CLIENT_HELP) from None
+    client = Client(tpu=tpu, zone=zone, project=project)
+    client.configure_tpu_version(tf.__version__, restart_type="ifNeeded")
+    client.wait_for_healthy()
+
+
+def tpu_resolver(
+    tpu: str, zone: str | None = None, project: str | None = None
+) -> tf.distribute.cluster_resolver.TPUClusterResolver:
+    """The resolver for a TPU name, `local` (TPU VM) or a `grpc://` address (checked first)."""
+    if not tpu:
+        raise ValueError("the tpu strategy needs a TPU: a name, 'local' or 'grpc://host:port'")
+    if tpu.startswith("grpc://"):
+        check_reachable(tpu)
+    return tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu, zone=zone, project=project)
+
+
+def _tpu_strategy(
+    tpu: str, zone: str | None, project: str | None, tpu_node: bool
+) -> tf.distribute.TPUStrategy:
+    if tpu_node:
+        configure_tpu_node(tpu, zone, project)
+    resolver = tpu_resolver(tpu, zone, project)
+    if tpu != "local":
+        tf.config.experimental_connect_to_cluster(resolver)
+    try:
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+    except tf.errors.NotFoundError:
+        raise RuntimeError(
+            f"no TPU found for tpu={tpu!r}: 'local' needs a TPU VM, a name or address needs a "
+            "READY TPU. On a machine without TPUs use strategy 'one_device' or 'mirrored'."
+        ) from None
+    return tf.distribute.TPUStrategy(resolver)
+
+
 def create_strategy(
-    name: str = "one_device", cpu_devices: int | None = None
+    name: str = "one_device",
+    cpu_devices: int | None = None,
+    collectives: str = "auto",
+    tpu: str | None = None,
+    tpu_zone: str | None = None,
+    tpu_project: str | None = None,
+    tpu_node: bool = False,
 ) -> tf.distribute.Strategy:
-    """Returns the strategy `name` (one of STRATEGIES), logging its devices and replica count."""
+    """Returns the strategy `name` (one of STRATEGIES), logging its devices and replica count.
+
+    `cpu_devices` splits a CPU-only machine for `mirrored`; `collectives` (auto, ring, nccl)
+    chooses the all-reduce of `multi_worker_mirrored`; `tpu`, `tpu_zone`, `tpu_project` and
+    `tpu_node` (legacy TPU node, not a TPU VM) locate the TPU for `tpu`.
+    """
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
-    accelerators = tf.config.list_physical_devices("GPU")
+    if collectives not in COLLECTIVES:
+        raise ValueError(f"unknown collectives {collectives!r}; choose one of {list(COLLECTIVES)}")
     if cpu_devices is not None and cpu_devices < 1:
         raise ValueError(f"cpu_devices must be at least 1, got {cpu_devices}")
+    accelerators = tf.config.list_physical_devices("GPU")
     if name == "one_device":
-        device = "/gpu:0" if accelerators else "/cpu:0"
-        strategy = tf.distribute.OneDeviceStrategy(device)
-    elif accelerators:
-        strategy = tf.distribute.MirroredStrategy()
-    else:
-        devices = split_cpu(cpu_devices or 1)
+        strategy = tf.distribute.OneDeviceStrategy("/gpu:0" if accelerators else "/cpu:0")
+    elif name == "mirrored":
+        devices = None if accelerators else split_cpu(cpu_devices or 1)
         strategy = tf.distribute.MirroredStrategy(devices)
+    elif name == "multi_worker_mirrored":
+        options = tf.distribute.experimental.CommunicationOptions(
+            implementation=COLLECTIVES[collectives]
+        )
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    else:
+        strategy = _tpu_strategy(tpu or "", tpu_zone, tpu_project, tpu_node)
     logging.info(
         "strategy %s with %d replica(s): %s",
         name,
@@ -54,3 +144,8 @@ def create_strategy(
         ", ".join(strategy.extended.worker_devices),
     )
     return strategy
+
+
+def is_chief(strategy: tf.distribute.Strategy) -> bool:
+    """Whether this process writes checkpoints, summaries and the run record (one per cluster)."""
+    return strategy.extended.should_checkpoint

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import math
 import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 
@@ -32,6 +33,14 @@ PRECISIONS = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
 
 class TrainerError(RuntimeError):
     """A problem the user can fix (bad data, divergence, an unreadable checkpoint): no traceback."""
+
+
+class PreemptedError(Exception):
+    """SIGTERM arrived (a preempted TPU VM or GPU node): a checkpoint was saved at `step`."""
+
+    def __init__(self, step: int):
+        super().__init__(f"preempted: saved a checkpoint at step {step}; run again to resume")
+        self.step = step
 
 
 def _format_duration(seconds: float) -> str:
@@ -71,8 +80,12 @@ class Trainer:
         remat_policy: str | remat.policies.Policy | None = None,
         strategy: str = "one_device",
         cpu_devices: int | None = None,
+        collectives: str = "auto",
+        tpu: str | None = None,
+        tpu_node: bool = False,
         xla_flags: Sequence[str] = (),
         tf_xla_flags: Sequence[str] = (),
+        libtpu_flags: Sequence[str] = (),
         seed: int = 0,
     ):
         if precision not in PRECISIONS:
@@ -81,8 +94,11 @@ class Trainer:
             )
         if min(global_batch_size, train_steps, steps_per_loop) < 1:
             raise ValueError("global_batch_size, train_steps and steps_per_loop must be positive")
-        xla.set_xla_flags(xla_flags, tf_xla_flags)
-        self.strategy = distribute.create_strategy(strategy, cpu_devices)
+        xla.set_xla_flags(xla_flags, tf_xla_flags, libtpu_flags)
+        self.strategy = distribute.create_strategy(
+            strategy, cpu_devices, collectives=collectives, tpu=tpu, tpu_node=tpu_node
+        )
+        self.is_chief = distribute.is_chief(self.strategy)
         replicas = self.strategy.num_replicas_in_sync
         if global_batch_size % replicas:
             raise ValueError(
@@ -122,18 +138,32 @@ class Trainer:
             precision,
         )
 
+        # Every worker restores from model_dir and saves (saving is collective), but only the
+        # chief writes into model_dir: the others write to a temporary directory of their own.
         checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
+        self.checkpoint_dir = os.path.join(model_dir, "checkpoints")
+        write_dir = self.checkpoint_dir if self.is_chief else tempfile.mkdtemp(prefix="ckpt-")
         self.checkpoints = tf.train.CheckpointManager(
             checkpoint,
-            os.path.join(model_dir, "checkpoints"),
+            write_dir,
             max_to_keep=keep_checkpoints,
             step_counter=self.optimizer.iterations,
         )
         self._restore(checkpoint)
+        # TensorFlow's handler makes all workers agree on the step to save at after a SIGTERM.
+        self._preemption = tf.distribute.experimental.PreemptionCheckpointHandler(
+            self.strategy.cluster_resolver,
+            self.checkpoints,
+            termination_config=tf.distribute.experimental.TerminationConfig(
+                exit_fn=self._preempted
+            ),
+        )
         self._train_loop = tf.function(self._train_loop_fn)
         self._eval_loop = tf.function(self._eval_loop_fn)
         self._writers = {
             split: tf.summary.create_file_writer(os.path.join(model_dir, split))
+            if self.is_chief
+            else tf.summary.create_noop_writer()
             for split in ("train", "eval")
         }
 
@@ -141,12 +171,16 @@ class Trainer:
     def step(self) -> int:
         return int(self.optimizer.iterations.numpy())
 
+    def _latest_checkpoint(self) -> str | None:
+        """The newest checkpoint model_dir lists, whether or not its files are all there."""
+        state = tf.train.get_checkpoint_state(self.checkpoint_dir)
+        return state.model_checkpoint_path if state else None
+
     def _restore(self, checkpoint: tf.train.Checkpoint) -> None:
         """Resumes from the newest checkpoint in model_dir; refuses to start over a broken one."""
-        directory = self.checkpoints.directory
-        latest = self.checkpoints.latest_checkpoint
+        latest = self._latest_checkpoint()
         if latest is None:
-            logging.info("no checkpoint in %s: starting from scratch", directory)
+            logging.info("no checkpoint in %s: starting from scratch", self.checkpoint_dir)
             return
         try:
             checkpoint.restore(latest).assert_existing_objects_matched()
@@ -333,6 +367,7 @@ class Trainer:
             )
             if self.step % self.checkpoint_every == 0 or self.step >= stop:
                 self.checkpoints.save(checkpoint_number=self.step)
+            self._preemption.save_checkpoint_if_preempted(checkpoint_number=self.step)
             if (
                 self.eval_every
                 and self.step % self.eval_every == 0
@@ -346,10 +381,13 @@ class Trainer:
         self.train()
         return self.evaluate()
 
+    def _preempted(self) -> None:
+        raise PreemptedError(self.step)
+
     def _check_finite(self, loss: float) -> None:
         if math.isfinite(loss):
             return
-        latest = self.checkpoints.latest_checkpoint
+        latest = self._latest_checkpoint()
         kept = f"the last good checkpoint {latest} is kept" if latest else "no checkpoint was saved"
         raise TrainerError(
             f"the loss became {loss} before step {self.step}: training diverged; {kept}. Lower "

@@ -1,8 +1,9 @@
 """XLA flags from configuration, put in the environment before TensorFlow compiles anything.
 
 XLA reads `XLA_FLAGS` (compiler flags) and `TF_XLA_FLAGS` (TensorFlow's bridge flags) once per
-process, the first time it needs them, so these functions must run before the first op or device
-use. This module does not import TensorFlow for that reason.
+process, the first time it needs them, and on a TPU VM libtpu reads `LIBTPU_INIT_ARGS` (the TPU
+compiler's and runtime's flags) when TensorFlow initialises the TPU. So these functions must run
+before the first op or device use; this module does not import TensorFlow for that reason.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import logging
 import os
 from collections.abc import Sequence
 
-ENV_VARS = ("XLA_FLAGS", "TF_XLA_FLAGS")
+ENV_VARS = ("XLA_FLAGS", "TF_XLA_FLAGS", "LIBTPU_INIT_ARGS")
 
 
 def merge_flags(existing: str, extra: Sequence[str]) -> str:
@@ -22,13 +23,16 @@ def merge_flags(existing: str, extra: Sequence[str]) -> str:
 
 
 def set_xla_flags(
-    xla_flags: Sequence[str] = (), tf_xla_flags: Sequence[str] = ()
+    xla_flags: Sequence[str] = (),
+    tf_xla_flags: Sequence[str] = (),
+    libtpu_flags: Sequence[str] = (),
 ) -> dict[str, str]:
-    """Writes the flags to `XLA_FLAGS` / `TF_XLA_FLAGS`, logs them and returns the two values."""
-    for flag in (*xla_flags, *tf_xla_flags):
+    """Writes the flags to `XLA_FLAGS`, `TF_XLA_FLAGS` and `LIBTPU_INIT_ARGS`, logs and returns
+    the three values."""
+    for flag in (*xla_flags, *tf_xla_flags, *libtpu_flags):
         if not flag.startswith("--"):
             raise ValueError(f"XLA flag {flag!r} must start with '--', e.g. '--xla_dump_to=/tmp/x'")
-    for var, flags in zip(ENV_VARS, (xla_flags, tf_xla_flags)):
+    for var, flags in zip(ENV_VARS, (xla_flags, tf_xla_flags, libtpu_flags)):
         if flags:
             os.environ[var] = merge_flags(os.environ.get(var, ""), flags)
     values = {var: os.environ.get(var, "") for var in ENV_VARS}

@@ -12,10 +12,14 @@ def test_merge_replaces_flags_of_the_same_name():
 def test_set_xla_flags_writes_the_environment(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
     monkeypatch.delenv("TF_XLA_FLAGS", raising=False)
-    values = xla.set_xla_flags(["--xla_dump_to=/tmp/d"], ["--tf_xla_auto_jit=2"])
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    values = xla.set_xla_flags(
+        ["--xla_dump_to=/tmp/d"], ["--tf_xla_auto_jit=2"], ["--xla_tpu_megacore_fusion=true"]
+    )
     assert values == {
         "XLA_FLAGS": "--xla_cpu_enable_fast_math=false --xla_dump_to=/tmp/d",
         "TF_XLA_FLAGS": "--tf_xla_auto_jit=2",
+        "LIBTPU_INIT_ARGS": "--xla_tpu_megacore_fusion=true",
     }
 
 

@@ -139,7 +139,11 @@ class PeakTracker:
     def __exit__(self, *exc_info) -> None:
         if exc_info[0] is not None:
             return
-        tf.test.experimental.sync_devices()
+        if not self.device.startswith("CPU"):
+            # Accelerators run asynchronously: wait for the block's work before reading the peak.
+            # (CPU work has finished when the call returns; syncing there also fails in a
+            # multi-worker eager context.)
+            tf.test.experimental.sync_devices()
         peak = _memory_info(self.device)["peak"]
         if peak == 0:
             # An allocator that counts nothing while a step runs is not measuring it.
