@@ -7,6 +7,7 @@ import pytest
 import framework.configurables  # noqa: F401  (registers the gin names)
 from framework import train, trainer  # noqa: F401  (registers Trainer)
 
+TOO_BIG_TO_BUILD = {"models/decoder_1b.gin"}  # 3.9 GB of float32 weights
 CONFIGS = sorted(p.relative_to(train.CONFIGS_DIR) for p in train.CONFIGS_DIR.rglob("*.gin"))
 
 
@@ -24,6 +25,8 @@ def test_config_parses_and_builds_its_model(config):
         model_fn = gin.query_parameter("Trainer.model_fn")
     except ValueError:
         return  # a runtime or remat config: it configures no model, parsing it is the test
+    if str(config) in TOO_BIG_TO_BUILD:
+        return  # parsed; its size is tested from the formula in test_language_models.py
     model = model_fn.scoped_configurable_fn()
     assert isinstance(model, keras.Model) and model.count_params() > 0
     keras.backend.clear_session()

@@ -9,6 +9,15 @@ def test_vit_b16_has_the_papers_parameter_count():
     assert vit_b16().count_params() == 86_567_656
 
 
+def test_checkpoint_holds_every_weight_of_the_model(tmp_path):
+    model = VisionTransformer(
+        image_size=8, patch_size=4, num_classes=2, dim=8, depth=2, num_heads=2, mlp_dim=8
+    )
+    path = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
+    saved = [name for name, _ in tf.train.list_variables(path) if name.startswith("model/")]
+    assert len(saved) == len(model.weights)
+
+
 def test_vit_maps_images_to_logits():
     model = VisionTransformer(
         image_size=16, patch_size=4, num_classes=5, dim=32, depth=2, num_heads=4, mlp_dim=64
@@ -24,7 +33,10 @@ def test_attention_mask_blocks_masked_keys():
     mask = tf.constant([True, True, False, False])[None, None, None, :]
     changed = tf.concat([x[:, :2], tf.random.normal([1, 2, 8])], axis=1)
     np.testing.assert_allclose(
-        layer(x, mask=mask)[:, :2], layer(changed, mask=mask)[:, :2], rtol=1e-5, atol=1e-6
+        layer(x, attention_mask=mask)[:, :2],
+        layer(changed, attention_mask=mask)[:, :2],
+        rtol=1e-5,
+        atol=1e-6,
     )
 
 

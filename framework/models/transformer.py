@@ -2,6 +2,9 @@
 
 Each `TransformerBlock` is one layer, so `framework.remat` can checkpoint a model block by block.
 Softmax and layer norms run in float32 under mixed precision, as TPU training recipes do.
+The tensors MaxText-style remat policies keep are tagged with `remat.checkpoint_name`: "qkv_proj"
+(fused query/key/value projection), "attn_out" (attention output projection), "mlp_in" (first MLP
+layer, after its activation) and "mlp_out" (second MLP layer).
 """
 
 from __future__ import annotations
@@ -9,11 +12,14 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from framework.remat import checkpoint_name
+
 
 class MultiHeadAttention(keras.layers.Layer):
     """Multi-head self-attention with one fused query/key/value projection.
 
-    `mask` (optional) is boolean and broadcasts to [batch, heads, query, key]; True means "attend".
+    `attention_mask` (optional) is boolean and broadcasts to [batch, heads, query, key]; True
+    means "attend". (Not `mask`: Keras gives that name a meaning of its own.)
     """
 
     def __init__(self, num_heads: int, dropout: float = 0.0, **kwargs):
@@ -32,18 +38,20 @@ class MultiHeadAttention(keras.layers.Layer):
         self.out.build(input_shape)
         self.attention_dropout = keras.layers.Dropout(self.dropout_rate)
 
-    def call(self, x, mask=None, training=None):
+    def call(self, x, attention_mask=None, training=None):
         batch, length = ops.shape(x)[0], ops.shape(x)[1]
-        qkv = ops.reshape(self.qkv(x), (batch, length, 3, self.num_heads, self.head_dim))
+        qkv = checkpoint_name(self.qkv(x), "qkv_proj")
+        qkv = ops.reshape(qkv, (batch, length, 3, self.num_heads, self.head_dim))
         query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         logits = ops.einsum("bqhd,bkhd->bhqk", query, key) * (self.head_dim**-0.5)
         logits = ops.cast(logits, "float32")
-        if mask is not None:
-            logits = ops.where(mask, logits, -1e9)
+        if attention_mask is not None:
+            logits = ops.where(attention_mask, logits, -1e9)
         weights = ops.cast(ops.softmax(logits, axis=-1), x.dtype)
         weights = self.attention_dropout(weights, training=training)
         context = ops.einsum("bhqk,bkhd->bqhd", weights, value)
-        return self.out(ops.reshape(context, (batch, length, self.num_heads * self.head_dim)))
+        context = ops.reshape(context, (batch, length, self.num_heads * self.head_dim))
+        return checkpoint_name(self.out(context), "attn_out")
 
     def get_config(self):
         return {**super().get_config(), "num_heads": self.num_heads, "dropout": self.dropout_rate}
@@ -65,7 +73,8 @@ class Mlp(keras.layers.Layer):
         self.dropout = keras.layers.Dropout(self.dropout_rate)
 
     def call(self, x, training=None):
-        return self.fc2(self.dropout(self.fc1(x), training=training))
+        hidden = checkpoint_name(self.fc1(x), "mlp_in")
+        return checkpoint_name(self.fc2(self.dropout(hidden, training=training)), "mlp_out")
 
     def get_config(self):
         return {**super().get_config(), "hidden_dim": self.hidden_dim, "dropout": self.dropout_rate}
@@ -91,9 +100,11 @@ class TransformerBlock(keras.layers.Layer):
         self.mlp.build(input_shape)
         self.dropout = keras.layers.Dropout(self.dropout_rate)
 
-    def call(self, x, mask=None, training=None):
+    def call(self, x, attention_mask=None, training=None):
         h = ops.cast(self.norm1(x), x.dtype)
-        x = x + self.dropout(self.attention(h, mask=mask, training=training), training=training)
+        x = x + self.dropout(
+            self.attention(h, attention_mask=attention_mask, training=training), training=training
+        )
         h = ops.cast(self.norm2(x), x.dtype)
         return x + self.dropout(self.mlp(h, training=training), training=training)
 

@@ -49,12 +49,20 @@ class VisionTransformer(keras.Model):
             name="positions",
         )
         self.embed_dropout = keras.layers.Dropout(dropout)
-        self.blocks = [
-            TransformerBlock(num_heads, mlp_dim, dropout, name=f"block_{i}") for i in range(depth)
-        ]
+        self.depth = depth
+        # One attribute per block: Keras 3 wraps a list attribute in a type that
+        # tf.train.Checkpoint does not track, so blocks held in a list would not be saved.
+        for i in range(depth):
+            setattr(
+                self, f"block_{i}", TransformerBlock(num_heads, mlp_dim, dropout, name=f"block_{i}")
+            )
         self.norm = keras.layers.LayerNormalization(epsilon=1e-6, dtype="float32", name="norm")
         self.head = keras.layers.Dense(num_classes, dtype="float32", name="head")
         self.build((None, image_size, image_size, channels))
+
+    @property
+    def blocks(self) -> list[TransformerBlock]:
+        return [getattr(self, f"block_{i}") for i in range(self.depth)]
 
     def build(self, input_shape):
         batch = input_shape[0]
