@@ -1,0 +1,223 @@
+"""Language models from `framework.models.transformer`: a decoder-only LM and a BERT-style encoder.
+
+Both read packed rows, a dict {"tokens", "segment_ids", "positions"} of int32 [batch, length]
+(framework.data.text): `positions` restart at 0 in every document and attention never crosses
+`segment_ids`, so documents packed into one row do not see each other. Segment 0 is padding.
+
+`DecoderLM` attends causally and reuses its token embedding as the output projection (tied).
+`BertEncoder` attends both ways and ends in BERT's masked-LM head (dense, GELU, norm, tied
+embedding, bias); given `masked_positions` [batch, P] it scores only those positions.
+Logits are float32 under mixed precision. `*_parameter_count` give sizes without building.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+from framework.models.transformer import TransformerBlock
+
+_INIT = keras.initializers.RandomNormal(stddev=0.02)
+
+
+def attention_mask(segment_ids, causal: bool):
+    """Boolean [batch, 1, query, key]: same document (and, if causal, not a later token)."""
+    same = ops.expand_dims(segment_ids, 2) == ops.expand_dims(segment_ids, 1)
+    if causal:
+        length = ops.shape(segment_ids)[1]
+        index = ops.arange(length)
+        same = ops.logical_and(same, ops.expand_dims(index, 1) >= ops.expand_dims(index, 0))
+    return ops.expand_dims(same, 1)
+
+
+class _TextTransformer(keras.Model):
+    """Token and position embeddings, pre-LN blocks with a document mask, a final norm."""
+
+    causal = False
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        max_length: int,
+        dim: int,
+        depth: int,
+        num_heads: int,
+        mlp_dim: int,
+        dropout: float = 0.0,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.vocab_size = vocab_size
+        self.max_length = max_length
+        self.dim = dim
+        self.token_embedding = keras.layers.Embedding(
+            vocab_size, dim, embeddings_initializer=_INIT, name="token_embedding"
+        )
+        self.position_embedding = keras.layers.Embedding(
+            max_length, dim, embeddings_initializer=_INIT, name="position_embedding"
+        )
+        self.embed_dropout = keras.layers.Dropout(dropout)
+        self.depth = depth
+        # One attribute per block: Keras 3 wraps a list attribute in a type that
+        # tf.train.Checkpoint does not track, so blocks held in a list are never saved.
+        for i in range(depth):
+            setattr(
+                self, f"block_{i}", TransformerBlock(num_heads, mlp_dim, dropout, name=f"block_{i}")
+            )
+        self.norm = keras.layers.LayerNormalization(epsilon=1e-6, dtype="float32", name="norm")
+
+    @property
+    def blocks(self) -> list[TransformerBlock]:
+        return [getattr(self, f"block_{i}") for i in range(self.depth)]
+
+    def build(self, input_shape=None):
+        rows = (None, self.max_length)
+        self.token_embedding.build(rows)
+        self.position_embedding.build(rows)
+        hidden = (None, self.max_length, self.dim)
+        for block in self.blocks:
+            block.build(hidden)
+        self.norm.build(hidden)
+        self.built = True
+
+    def embed(self, inputs):
+        """Token plus position embeddings [batch, length, dim]."""
+        tokens = inputs["tokens"]
+        if tokens.shape[1] is not None and tokens.shape[1] > self.max_length:
+            raise ValueError(
+                f"rows of {tokens.shape[1]} tokens are longer than the model's max_length="
+                f"{self.max_length}: raise max_length or lower the data's sequence_length"
+            )
+        return self.token_embedding(tokens) + self.position_embedding(inputs["positions"])
+
+    def encode(self, inputs, training=None):
+        """Final-norm hidden states [batch, length, dim] in the compute dtype."""
+        x = self.embed_dropout(self.embed(inputs), training=training)
+        mask = attention_mask(inputs["segment_ids"], causal=self.causal)
+        for block in self.blocks:
+            x = block(x, attention_mask=mask, training=training)
+        return ops.cast(self.norm(x), x.dtype)
+
+    def tied_logits(self, hidden):
+        """float32 logits against the token embedding."""
+        table = ops.cast(self.token_embedding.embeddings, "float32")
+        return ops.matmul(ops.cast(hidden, "float32"), ops.transpose(table))
+
+
+class DecoderLM(_TextTransformer):
+    """Causal LM: packed rows -> next-token logits [batch, length, vocab_size] (float32)."""
+
+    causal = True
+
+    def __init__(self, **config):
+        super().__init__(**config)
+        self.build()
+
+    def call(self, inputs, training=None):
+        return self.tied_logits(self.encode(inputs, training=training))
+
+
+class BertEncoder(_TextTransformer):
+    """Bidirectional encoder with BERT's masked-LM head.
+
+    Logits are [batch, P, vocab_size] at `inputs["masked_positions"]` ([batch, P]) when given,
+    else [batch, length, vocab_size].
+    """
+
+    def __init__(self, **config):
+        super().__init__(**config)
+        self.embed_norm = keras.layers.LayerNormalization(
+            epsilon=1e-6, dtype="float32", name="embed_norm"
+        )
+        self.head_dense = keras.layers.Dense(
+            self.dim, activation="gelu", kernel_initializer=_INIT, name="head_dense"
+        )
+        self.head_norm = keras.layers.LayerNormalization(
+            epsilon=1e-6, dtype="float32", name="head_norm"
+        )
+        self.build()
+
+    def build(self, input_shape=None):
+        super().build(input_shape)
+        hidden = (None, self.max_length, self.dim)
+        self.embed_norm.build(hidden)
+        self.head_dense.build(hidden)
+        self.head_norm.build(hidden)
+        self.output_bias = self.add_weight(
+            shape=(self.vocab_size,), initializer="zeros", name="output_bias"
+        )
+
+    def embed(self, inputs):
+        x = super().embed(inputs)
+        return ops.cast(self.embed_norm(x), x.dtype)
+
+    def call(self, inputs, training=None):
+        hidden = self.encode(inputs, training=training)
+        if "masked_positions" in inputs:
+            hidden = ops.take_along_axis(
+                hidden, ops.expand_dims(inputs["masked_positions"], -1), axis=1
+            )
+        hidden = ops.cast(self.head_norm(self.head_dense(hidden)), "float32")
+        return self.tied_logits(hidden) + ops.cast(self.output_bias, "float32")
+
+
+def block_parameter_count(dim: int, mlp_dim: int) -> int:
+    """Weights of one TransformerBlock: fused qkv, output projection, MLP, two layer norms."""
+    return 4 * dim * dim + 2 * dim * mlp_dim + 9 * dim + mlp_dim
+
+
+def decoder_parameter_count(
+    *, vocab_size: int, max_length: int, dim: int, depth: int, mlp_dim: int, **_
+) -> int:
+    """`DecoderLM(**config).count_params()` without building it (no memory needed)."""
+    embeddings = (vocab_size + max_length) * dim
+    return embeddings + depth * block_parameter_count(dim, mlp_dim) + 2 * dim
+
+
+def bert_parameter_count(
+    *, vocab_size: int, max_length: int, dim: int, depth: int, mlp_dim: int, **_
+) -> int:
+    """`BertEncoder(**config).count_params()` without building it."""
+    head = dim * dim + dim + 2 * dim + vocab_size
+    return (
+        decoder_parameter_count(
+            vocab_size=vocab_size, max_length=max_length, dim=dim, depth=depth, mlp_dim=mlp_dim
+        )
+        + 2 * dim
+        + head
+    )
+
+
+DECODER_TINY = dict(vocab_size=1024, max_length=128, dim=128, depth=4, num_heads=4, mlp_dim=512)
+DECODER_1B = dict(
+    vocab_size=32_000, max_length=2048, dim=2048, depth=18, num_heads=16, mlp_dim=8192
+)
+BERT_TINY = dict(vocab_size=1024, max_length=128, dim=128, depth=2, num_heads=2, mlp_dim=512)
+BERT_BASE = dict(vocab_size=30_522, max_length=512, dim=768, depth=12, num_heads=12, mlp_dim=3072)
+BERT_LARGE = dict(vocab_size=30_522, max_length=512, dim=1024, depth=24, num_heads=16, mlp_dim=4096)
+
+
+def decoder_tiny(**overrides) -> DecoderLM:
+    """A CPU-sized decoder: width 128, 4 blocks, 4 heads, 1024 tokens (0.9 M parameters)."""
+    return DecoderLM(**{**DECODER_TINY, **overrides})
+
+
+def decoder_1b(**overrides) -> DecoderLM:
+    """A pod-sized decoder: width 2048, 18 blocks, 16 heads, 32 k tokens, 2048 positions (976 M)."""
+    return DecoderLM(**{**DECODER_1B, **overrides})
+
+
+def bert_tiny(**overrides) -> BertEncoder:
+    """A CPU-sized BERT: width 128, 2 blocks, 2 heads, 1024 tokens."""
+    return BertEncoder(**{**BERT_TINY, **overrides})
+
+
+def bert_base(**overrides) -> BertEncoder:
+    """BERT-base: width 768, 12 blocks, 12 heads, BERT's 30522 tokens, 512 positions (110 M)."""
+    return BertEncoder(**{**BERT_BASE, **overrides})
+
+
+def bert_large(**overrides) -> BertEncoder:
+    """BERT-large: width 1024, 24 blocks, 16 heads (335 M parameters)."""
+    return BertEncoder(**{**BERT_LARGE, **overrides})

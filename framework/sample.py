@@ -1,0 +1,130 @@
+"""Generates text from a trained decoder LM: `python -m framework.sample --model_dir=DIR`.
+
+The model is rebuilt the way the run built it, from the run's own `DIR/config.gin`
+(`Trainer.model_fn`), and its weights come from the newest checkpoint in `DIR/checkpoints` (only
+the model: the optimizer's slots are not needed). Text is tokenized with the run's vocabulary:
+`data.TextCorpus.vocab_path` when the config records it, else `DIR/vocab.txt`.
+
+Each new token costs one forward pass over a fixed window of `max_length` tokens (one compiled
+program, no retracing); longer contexts keep their last `max_length` tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from absl import app, flags
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+flags.DEFINE_string("model_dir", None, "The run's directory (config.gin, checkpoints/).")
+flags.DEFINE_string("prompt", "", "Text to continue; empty starts a new document.")
+flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 picks the likeliest token.")
+flags.DEFINE_integer("max_tokens", 64, "Tokens to generate (fewer if [EOS] comes first).")
+flags.DEFINE_integer("seed", 0, "Seed of the sampling.")
+FLAGS = flags.FLAGS
+
+
+class SampleError(Exception):
+    """A problem the user can fix (no run there, no checkpoint, no vocabulary)."""
+
+
+def load_run(model_dir: str):
+    """(model with the newest checkpoint's weights, vocabulary) of the run in `model_dir`."""
+    import gin
+    import tensorflow as tf
+
+    import framework.configurables  # noqa: F401  (registers the names config.gin uses)
+    from framework import trainer  # noqa: F401  (registers Trainer)
+    from framework.data import vocab as vocab_lib
+
+    config = os.path.join(model_dir, "config.gin")
+    if not tf.io.gfile.exists(config):
+        raise SampleError(f"{config} not found: is {model_dir!r} the model_dir of a training run?")
+    gin.clear_config()
+    gin.parse_config_file(config, skip_unknown=True)
+    try:
+        vocab_path = gin.query_parameter("data.TextCorpus.vocab_path")
+    except ValueError:
+        vocab_path = os.path.join(model_dir, "vocab.txt")
+    if not tf.io.gfile.exists(vocab_path):
+        raise SampleError(f"the run's vocabulary {vocab_path} is missing")
+    vocab = vocab_lib.load_vocab(vocab_path)
+    model = gin.query_parameter("Trainer.model_fn").scoped_configurable_fn()
+    latest = tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints"))
+    if latest is None:
+        raise SampleError(f"no checkpoint in {model_dir}/checkpoints: train first")
+    tf.train.Checkpoint(model=model).restore(latest).expect_partial()
+    return model, vocab
+
+
+def generate(
+    model,
+    vocab: list[str],
+    prompt: str = "",
+    *,
+    max_tokens: int = 64,
+    temperature: float = 0.8,
+    seed: int = 0,
+) -> str:
+    """`prompt` continued by up to `max_tokens` tokens, stopping at [EOS] (spaces normalized)."""
+    import tensorflow as tf
+
+    from framework.data import text
+    from framework.data import vocab as vocab_lib
+
+    ids = vocab_lib.special_ids(vocab)
+    tokenizer = text.make_tokenizer(vocab)
+    context = [ids[vocab_lib.BOS], *text.tokenize(tokenizer, [prompt])[0].numpy().tolist()]
+    length = model.max_length
+    rng = tf.random.Generator.from_seed(seed)
+
+    @tf.function(jit_compile=True)
+    def next_logits(tokens, last):
+        inputs = {
+            "tokens": tokens,
+            "segment_ids": tf.ones_like(tokens),
+            "positions": tf.range(length)[None],
+        }
+        return model(inputs, training=False)[0, last]
+
+    for _ in range(max_tokens):
+        window = context[-length:]
+        tokens = tf.constant([window + [ids[vocab_lib.PAD]] * (length - len(window))], tf.int32)
+        logits = next_logits(tokens, tf.constant(len(window) - 1))
+        if temperature > 0:
+            seed_pair = rng.make_seeds(1)[:, 0]
+            token = int(tf.random.stateless_categorical([logits / temperature], 1, seed_pair)[0, 0])
+        else:
+            token = int(tf.argmax(logits))
+        if token == ids[vocab_lib.EOS]:
+            break
+        context.append(token)
+    return text.detokenize(tokenizer, [context], tuple(ids.values()))[0].numpy().decode("utf-8")
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        sys.exit(f"error: unexpected arguments: {' '.join(argv[1:])}")
+    if not FLAGS.model_dir:
+        sys.exit("error: --model_dir is required")
+    try:
+        model, vocab = load_run(FLAGS.model_dir)
+    except (SampleError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    completion = generate(
+        model,
+        vocab,
+        FLAGS.prompt,
+        max_tokens=FLAGS.max_tokens,
+        temperature=FLAGS.temperature,
+        seed=FLAGS.seed,
+    )
+    print(completion)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,152 @@
+"""Decoder LM and BERT encoder: sizes, document-local attention, checkpoints, remat, training."""
+
+import functools
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from framework import remat, sample, trainer
+from framework.data import text
+from framework.models import language
+
+TINY = dict(vocab_size=64, max_length=16, dim=32, depth=2, num_heads=4, mlp_dim=48)
+BUILDERS = {"decoder": language.DecoderLM, "bert": language.BertEncoder}
+COUNTS = {"decoder": language.decoder_parameter_count, "bert": language.bert_parameter_count}
+
+
+def _rows(tokens, segments):
+    tokens = tf.constant(tokens, tf.int32)
+    segments = np.asarray(segments)
+    positions = np.zeros_like(segments)
+    for row, segs in enumerate(segments):
+        for seg in set(segs.tolist()):
+            where = segs == seg
+            positions[row, where] = np.arange(where.sum())
+    return {
+        "tokens": tokens,
+        "segment_ids": tf.constant(segments, tf.int32),
+        "positions": tf.constant(positions, tf.int32),
+    }
+
+
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_parameter_count_formula_matches_the_built_model(kind):
+    for config in (TINY, {**TINY, "depth": 3, "mlp_dim": 80, "vocab_size": 100}):
+        assert BUILDERS[kind](**config).count_params() == COUNTS[kind](**config)
+
+
+def test_bert_base_has_110m_parameters():
+    model = language.bert_base()
+    assert model.count_params() == language.bert_parameter_count(**language.BERT_BASE)
+    assert 108e6 < model.count_params() < 111e6  # BERT-base: 110 M
+    del model
+    keras.backend.clear_session()
+
+
+def test_large_sizes_without_building_them():
+    assert 0.95e9 < language.decoder_parameter_count(**language.DECODER_1B) < 1.05e9
+    assert 330e6 < language.bert_parameter_count(**language.BERT_LARGE) < 340e6  # BERT: 335 M
+
+
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_attention_never_crosses_documents(kind):
+    model = BUILDERS[kind](**TINY)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(5, 64, size=(2, 16))
+    segments = [[1] * 6 + [2] * 7 + [0] * 3, [1] * 16]
+    before = model(_rows(tokens, segments)).numpy()
+    changed = tokens.copy()
+    changed[0, 6:] = rng.integers(5, 64, size=10)  # the second document and the padding
+    after = model(_rows(changed, segments)).numpy()
+    np.testing.assert_allclose(after[0, :6], before[0, :6], atol=1e-5)
+    np.testing.assert_allclose(after[1], before[1], atol=1e-5)
+    assert np.abs(after[0, 6:13] - before[0, 6:13]).max() > 1e-3
+    later = tokens.copy()
+    later[1, 10:] = rng.integers(5, 64, size=6)
+    moved = np.abs(model(_rows(later, segments)).numpy()[1, :10] - before[1, :10]).max()
+    assert (moved < 1e-5) == (kind == "decoder"), "causal for the decoder, both ways for BERT"
+
+
+def test_bert_scores_only_the_masked_positions():
+    model = language.BertEncoder(**TINY)
+    inputs = _rows(np.arange(32).reshape(2, 16) % 60 + 4, [[1] * 16, [1] * 10 + [0] * 6])
+    full = model(inputs).numpy()
+    picked = model({**inputs, "masked_positions": tf.constant([[3, 0], [9, 2]])}).numpy()
+    np.testing.assert_allclose(picked, full[[[0, 0], [1, 1]], [[3, 0], [9, 2]]], atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_checkpoint_restores_every_weight(kind, tmp_path):
+    model = BUILDERS[kind](**TINY)
+    path = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
+    fresh = BUILDERS[kind](**TINY)
+    tf.train.Checkpoint(model=fresh).restore(path).assert_consumed()
+    for a, b in zip(model.weights, fresh.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_rows_longer_than_max_length_are_a_clear_error():
+    model = language.DecoderLM(**TINY)
+    with pytest.raises(ValueError, match="max_length=16"):
+        model(_rows(np.ones((1, 32)), np.ones((1, 32))))
+
+
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_remat_gradients_match_for_every_policy(kind):
+    model = BUILDERS[kind](**{**TINY, "dropout": 0.0})
+    inputs = _rows(np.arange(32).reshape(2, 16) % 60 + 4, [[1] * 8 + [2] * 8, [1] * 16])
+
+    def gradients(inputs):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(model(inputs, training=True) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        return [tf.convert_to_tensor(g) for g in grads]
+
+    want = [g.numpy() for g in tf.function(gradients, jit_compile=True)(inputs)]
+    names = remat.policies.save_only_these_names("qkv_proj", "attn_out")
+    for policy in ("nothing_saveable", "dots_saveable", names):
+        blocks = remat.set_grad_checkpointing(model, policy=policy)
+        assert {b.name for b in blocks} >= {"block_0", "block_1"}
+        got = tf.function(gradients, jit_compile=True)(inputs)  # a fresh trace per policy
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g.numpy(), w, rtol=2e-4, atol=1e-6)
+    remat.set_grad_checkpointing(model, enable=False)
+
+
+def test_tiny_decoder_learns_text_traces_once_and_samples(tmp_path):
+    corpus_file = tmp_path / "corpus.txt"
+    corpus_file.write_text(
+        "\n".join(f"the quick brown fox jumps over the lazy dog {i % 7}" for i in range(60))
+    )
+    corpus = text.TextCorpus(
+        files=str(corpus_file),
+        vocab_path=str(tmp_path / "run" / "vocab.txt"),
+        vocab_size=128,
+        sequence_length=16,
+        document_per="line",
+        eval_fraction=0.3,
+        log_stats=False,
+    )
+    run = trainer.Trainer(
+        str(tmp_path / "run"),
+        model_fn=functools.partial(language.DecoderLM, **{**TINY, "vocab_size": 128}),
+        dataset_fn=functools.partial(text.text_lm, corpus=corpus),
+        global_batch_size=8,
+        train_steps=100,
+        steps_per_loop=50,
+        learning_rate=1e-2,
+        warmup_steps=10,
+    )
+    stats = text.split_stats(corpus, "train")
+    metrics = run.train()
+    assert metrics["loss"] < 0.5 * stats["unigram_entropy"]
+    assert run.traces["train_step"] <= 2
+    vocab_list = corpus.vocab()
+    greedy = sample.generate(run.model, vocab_list, "the quick", max_tokens=6, temperature=0)
+    assert greedy.startswith("the quick brown fox")
+    assert greedy == sample.generate(
+        run.model, vocab_list, "the quick", max_tokens=6, temperature=0
+    )
+    sample.generate(run.model, vocab_list, "", max_tokens=4, temperature=1.0, seed=3)
