@@ -158,6 +158,8 @@ class Trainer:
                 exit_fn=self._preempted
             ),
         )
+        # Built now, so a bad data configuration fails before training and gin records it.
+        self._eval_dataset = self._distributed_dataset("eval")
         self._train_loop = tf.function(self._train_loop_fn)
         self._eval_loop = tf.function(self._eval_loop_fn)
         self._writers = {
@@ -270,7 +272,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Loss and accuracy on the whole held-out split; written to the eval summaries."""
-        loss_sum, correct, count = self._eval_loop(self._distributed_dataset("eval")).numpy()
+        loss_sum, correct, count = self._eval_loop(self._eval_dataset).numpy()
         if count == 0:
             raise TrainerError("the eval data set is empty: give it at least one global batch")
         metrics = {"loss": loss_sum / count, "accuracy": correct / count}
