@@ -278,9 +278,15 @@ class Region:
             op._update_input(position, value)
             return None
         if entry.seeds:
+            # The forward seeds, tied to the gradient like saved values: with the bare seeds, XLA
+            # merges the recomputed random op with the forward one and keeps its bits alive.
             op = graph.get_operation_by_name(op_name)
-            for position, seed in entry.seeds.items():
-                op._update_input(position, _in_graph(seed, graph))
+            with graph.as_default(), record.stop_recording():
+                for position, seed in entry.seeds.items():
+                    seed = _in_graph(seed, graph)
+                    if op.op_def.input_arg[position].name != "alg":  # XLA needs alg constant
+                        seed = self._with_dep(seed)
+                    op._update_input(position, seed)
             return None
         if entry.saved is not None:
             with graph.as_default(), record.stop_recording():
