@@ -15,6 +15,7 @@ setup(
         "tensorboard>=2.20",
         "gin-config==0.5.0",
         "absl-py>=2.1",
+        "matplotlib>=3.5",  # plan.png of `python -m framework.plan`
     ],
     extras_require={
         "test": ["pytest>=8", "ruff>=0.6"],

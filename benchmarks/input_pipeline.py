@@ -16,16 +16,16 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 from absl import app, flags
 
+from framework import cli  # the trainer's --gin_file and --gin_search_paths flags
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-flags.DEFINE_string("gin_file", "lm_quickstart.gin", "A text run's gin file, in configs/.")
 flags.DEFINE_integer("steps", 100, "Steps timed for each of the two measurements.")
 FLAGS = flags.FLAGS
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_GIN_FILE = "lm_quickstart.gin"
 
 
 def pipeline_tokens_per_second(dataset, batches: int) -> float:
@@ -42,7 +42,6 @@ def pipeline_tokens_per_second(dataset, batches: int) -> float:
 
 def main(argv: Sequence[str]) -> None:
     del argv
-    import gin
 
     import framework.configurables  # noqa: F401  (registers the gin names)
     from framework import trainer
@@ -54,8 +53,7 @@ def main(argv: Sequence[str]) -> None:
         f"Trainer.train_steps = {2 * FLAGS.steps}",
         "Trainer.eval_every = None",
     ]
-    gin.add_config_file_search_path(str(CONFIGS_DIR))
-    gin.parse_config_files_and_bindings([FLAGS.gin_file], bindings)
+    cli.parse_gin(FLAGS.gin_file or [DEFAULT_GIN_FILE], bindings, FLAGS.gin_search_paths)
     run = trainer.Trainer(model_dir)
     batch = run.global_batch_size
     dataset = run.dataset_fn(

@@ -2,14 +2,18 @@
 
 With no `--gin_file` it runs the embedded default `quickstart.gin` (a small ViT on generated shapes,
 on the CPU) into `runs/quickstart`. The resolved config and the command line are written to the
-model directory. Problems the user can fix end in one line on stderr and exit status 2.
+model directory (by the chief only, in a cluster). Problems the user can fix end in one line on
+stderr and exit status 2; a preempted run (SIGTERM) saves a checkpoint and exits with status 42.
+
+`Trainer.remat_policy = "auto"` with `--memory_budget` runs the planner (`framework.plan`) first,
+over `--policies` at the config's batch size, and trains with its pick. The binary resolves "auto":
+the Trainer and the remat library only ever see a real policy.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -18,69 +22,14 @@ from pathlib import Path
 import gin
 from absl import app, flags
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # TensorFlow's C++ INFO lines drown the progress
+from framework import cli
+from framework.cli import UsageError, parse_gin, prepare_model_dir, split_gin_shorthand
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
-DEFAULT_GIN_FILE = "quickstart.gin"
-DEFAULT_MODEL_DIR = "runs/quickstart"
-GIN_SHORTHAND = "--gin."
+AUTO_POLICY = "auto"
+PREEMPTED_EXIT_CODE = 42  # what TensorFlow's own preemption handling uses for "restart me"
 
-flags.DEFINE_multi_string("gin_file", None, "Gin config files, found on --gin_search_paths.")
-flags.DEFINE_multi_string("gin_param", None, "Gin bindings, e.g. 'Trainer.train_steps = 100'.")
-flags.DEFINE_multi_string("gin_bindings", None, "Alias of --gin_param.")
-flags.DEFINE_list(
-    "gin_search_paths", [".", str(CONFIGS_DIR)], "Directories searched for --gin_file."
-)
-flags.DEFINE_string(
-    "model_dir",
-    None,
-    f"Output directory (default {DEFAULT_MODEL_DIR} with no --gin_file; required otherwise).",
-)
 flags.DEFINE_enum("mode", "train_and_eval", ["train", "eval", "train_and_eval"], "What to run.")
 FLAGS = flags.FLAGS
-
-
-class UsageError(Exception):
-    """Bad input on the command line or in a config: reported in one line, exit status 2."""
-
-
-def split_gin_shorthand(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Separates t5x-style `--gin.NAME=VALUE` arguments from the rest, as gin bindings."""
-    rest, bindings = [], []
-    for arg in argv:
-        if arg.startswith(GIN_SHORTHAND):
-            name, sep, value = arg[len(GIN_SHORTHAND) :].partition("=")
-            if not sep or not name:
-                raise UsageError(f"{arg!r} should look like --gin.NAME=VALUE")
-            bindings.append(f"{name} = {value}")
-        else:
-            rest.append(arg)
-    return rest, bindings
-
-
-def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str]) -> None:
-    """Parses gin files and bindings; a missing file or a bad binding becomes a UsageError."""
-    for path in search_paths:
-        gin.add_config_file_search_path(path)
-    for name in files:
-        if not any(Path(root, name).is_file() for root in ("", *search_paths)):
-            raise UsageError(f"gin file {name!r} not found (searched: {', '.join(search_paths)})")
-    try:
-        gin.parse_config_files_and_bindings(files, bindings, finalize_config=True)
-    except (ValueError, SyntaxError, KeyError, TypeError, OSError) as error:
-        message = " ".join(str(error).split())
-        raise UsageError(f"bad gin configuration: {message}") from None
-
-
-def prepare_model_dir(model_dir: str) -> None:
-    """Creates model_dir and checks it is writable before anything expensive starts."""
-    try:
-        os.makedirs(model_dir, exist_ok=True)
-        probe = Path(model_dir, ".write_test")
-        probe.write_text("")
-        probe.unlink()
-    except OSError as error:
-        raise UsageError(f"model_dir {model_dir!r} is not writable: {error.strerror}") from None
 
 
 def write_run_record(model_dir: str, config: str, command: str) -> None:
@@ -97,26 +46,65 @@ def write_run_record(model_dir: str, config: str, command: str) -> None:
     logging.info("operative gin config:\n%s", config)
 
 
+def _wants_auto_policy() -> bool:
+    try:
+        policy = gin.query_parameter("Trainer.remat_policy")
+    except ValueError:  # not bound
+        return False
+    return isinstance(policy, str) and policy.strip().lower() == AUTO_POLICY
+
+
+def resolve_auto_policy(files: Sequence[str], bindings: Sequence[str], model_dir: str) -> None:
+    """Replaces `Trainer.remat_policy = "auto"` by the planner's pick for --memory_budget.
+
+    The plan (`plan.json`, `plan.png`) is written to model_dir beside the run, and the pick is
+    bound in gin so that the `config.gin` of the run names the policy it trained with.
+    """
+    budget = cli.memory_budget_flag()
+    if not _wants_auto_policy():
+        if budget is not None:
+            raise UsageError(
+                "--memory_budget is only used with Trainer.remat_policy = 'auto'; drop it or set "
+                "--gin.Trainer.remat_policy=\"'auto'\""
+            )
+        return
+    if budget is None:
+        raise UsageError("Trainer.remat_policy = 'auto' needs --memory_budget, e.g. 16GiB")
+    from framework import planner
+
+    config = planner.RunConfig(files, bindings, FLAGS.gin_search_paths)
+    try:
+        plan = planner.make_plan(
+            config, budget, cli.policies_flag(), safety_margin=FLAGS.safety_margin
+        )
+    except planner.launch.ConfigError as error:
+        raise UsageError(str(error)) from None
+    planner.write_plan(plan, model_dir)
+    logging.info("remat policy auto: plan\n%s", planner.table(plan))
+    if plan.pick is None:
+        raise UsageError(f"remat policy auto: {planner.verdict(plan)}")
+    logging.info("remat policy auto: %s", planner.verdict(plan))
+    with gin.unlock_config():
+        gin.bind_parameter("Trainer.remat_policy", plan.pick.policy)
+
+
 def run(argv: Sequence[str], gin_shorthand: Sequence[str]) -> dict[str, float]:
     """Configures and runs the trainer for the parsed flags; returns the final metrics."""
-    if len(argv) > 1:
-        raise UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    files = FLAGS.gin_file or [DEFAULT_GIN_FILE]
-    model_dir = FLAGS.model_dir or (DEFAULT_MODEL_DIR if not FLAGS.gin_file else None)
-    if model_dir is None:
-        raise UsageError("--model_dir is required with --gin_file")
-    bindings = [*(FLAGS.gin_param or []), *(FLAGS.gin_bindings or []), *gin_shorthand]
+    files, bindings = cli.gin_inputs(argv, gin_shorthand)
+    model_dir = cli.model_dir_flag()
 
     import framework.configurables  # noqa: F401  (registers the gin names)
     from framework import trainer
 
     parse_gin(files, bindings, FLAGS.gin_search_paths)
     prepare_model_dir(model_dir)
+    resolve_auto_policy(files, bindings, model_dir)
     try:
         run_trainer = trainer.Trainer(model_dir)
     except (ValueError, TypeError) as error:
         raise UsageError(f"cannot build the run: {error}") from None
-    write_run_record(model_dir, gin.operative_config_str(), shlex.join(sys.argv))
+    if run_trainer.is_chief:  # one record per cluster
+        write_run_record(model_dir, gin.operative_config_str(), shlex.join(sys.argv))
     if FLAGS.mode == "train":
         return run_trainer.train()
     if FLAGS.mode == "eval":
@@ -126,7 +114,7 @@ def run(argv: Sequence[str], gin_shorthand: Sequence[str]) -> dict[str, float]:
 
 def main() -> None:
     """Entry point: `python -m framework.train`."""
-    from framework.trainer import TrainerError
+    from framework.trainer import PreemptedError, TrainerError
 
     try:
         argv, shorthand = split_gin_shorthand(sys.argv)
@@ -140,6 +128,9 @@ def main() -> None:
         except (UsageError, TrainerError) as error:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)
+        except PreemptedError as preempted:
+            logging.info("%s", preempted)
+            sys.exit(PREEMPTED_EXIT_CODE)
 
     app.run(app_main, argv=argv)
 

@@ -28,9 +28,7 @@ def child_env(env: dict[str, str | None] | None = None) -> dict[str, str]:
     return result
 
 
-def run_json(
-    args: list[str], env: dict[str, str | None] | None = None, timeout: int = 300
-) -> dict:
+def run_json(args: list[str], env: dict[str, str | None] | None = None, timeout: int = 300) -> dict:
     """Runs `python ARGS`, which prints one JSON object as its last line of output; returns it."""
     proc = subprocess.run(
         [sys.executable, *args],

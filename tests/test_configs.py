@@ -5,10 +5,10 @@ import keras
 import pytest
 
 import framework.configurables  # noqa: F401  (registers the gin names)
-from framework import train, trainer  # noqa: F401  (registers Trainer)
+from framework import cli, trainer  # noqa: F401  (registers Trainer)
 
 TOO_BIG_TO_BUILD = {"models/decoder_1b.gin"}  # 3.9 GB of float32 weights
-CONFIGS = sorted(p.relative_to(train.CONFIGS_DIR) for p in train.CONFIGS_DIR.rglob("*.gin"))
+CONFIGS = sorted(p.relative_to(cli.CONFIGS_DIR) for p in cli.CONFIGS_DIR.rglob("*.gin"))
 
 
 @pytest.fixture(autouse=True)
@@ -20,7 +20,7 @@ def clean_gin():
 
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 def test_config_parses_and_builds_its_model(config):
-    train.parse_gin([str(config)], [], [str(train.CONFIGS_DIR)])
+    cli.parse_gin([str(config)], [], [str(cli.CONFIGS_DIR)])
     try:
         model_fn = gin.query_parameter("Trainer.model_fn")
     except ValueError:

@@ -18,7 +18,7 @@ EQUALITY_SCRIPT = """
     losses = {{}}
     for strategy in ("one_device", "mirrored"):
         trainer = Trainer(tempfile.mkdtemp(), strategy=strategy, cpu_devices={devices},
-                          train_steps=10, **tiny.TRAINER_ARGS)
+                          train_steps=10, remat_policy="nothing_saveable", **tiny.TRAINER_ARGS)
         trainer.train()
         losses[strategy] = float(trainer.evaluate()["loss"])
         losses[strategy + "_replicas"] = trainer.strategy.num_replicas_in_sync

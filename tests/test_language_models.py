@@ -95,8 +95,9 @@ def test_rows_longer_than_max_length_are_a_clear_error():
 
 @pytest.mark.parametrize("kind", BUILDERS)
 def test_remat_gradients_match_for_every_policy(kind):
-    model = BUILDERS[kind](**{**TINY, "dropout": 0.0})
+    model = BUILDERS[kind](**{**TINY, "dropout": 0.1})
     inputs = _rows(np.arange(32).reshape(2, 16) % 60 + 4, [[1] * 8 + [2] * 8, [1] * 16])
+    seeds = [v.numpy() for v in model.non_trainable_variables]  # dropout seed generators
 
     def gradients(inputs):
         with tf.GradientTape() as tape:
@@ -104,14 +105,19 @@ def test_remat_gradients_match_for_every_policy(kind):
         grads = tape.gradient(loss, model.trainable_variables)
         return [tf.convert_to_tensor(g) for g in grads]
 
-    want = [g.numpy() for g in tf.function(gradients, jit_compile=True)(inputs)]
+    def run():  # a fresh trace, from the same dropout seeds
+        for variable, value in zip(model.non_trainable_variables, seeds):
+            variable.assign(value)
+        return [g.numpy() for g in tf.function(gradients, jit_compile=True)(inputs)]
+
+    want = run()
     names = remat.policies.save_only_these_names("qkv_proj", "attn_out")
-    for policy in ("nothing_saveable", "dots_saveable", names):
+    policies = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", names)
+    for policy in policies:
         blocks = remat.set_grad_checkpointing(model, policy=policy)
         assert {b.name for b in blocks} >= {"block_0", "block_1"}
-        got = tf.function(gradients, jit_compile=True)(inputs)  # a fresh trace per policy
-        for g, w in zip(got, want):
-            np.testing.assert_allclose(g.numpy(), w, rtol=2e-4, atol=1e-6)
+        for g, w in zip(run(), want):
+            assert np.linalg.norm(g - w) <= 1e-5 * np.linalg.norm(w) + 1e-12, policy
     remat.set_grad_checkpointing(model, enable=False)
 
 

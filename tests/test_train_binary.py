@@ -7,7 +7,7 @@ import gin
 import pytest
 
 import framework.configurables  # noqa: F401  (registers the gin names)
-from framework import train, trainer  # noqa: F401
+from framework import cli, trainer  # noqa: F401  (registers Trainer)
 from tests.subprocesses import REPO_DIR, child_env
 
 TINY_RUN = [
@@ -84,14 +84,14 @@ def test_existing_model_dir_is_untouched_by_a_bad_config(tmp_path):
 
 
 def test_gin_shorthand_becomes_bindings():
-    rest, bindings = train.split_gin_shorthand(["prog", "--gin.A.b=3", "--mode=train"])
+    rest, bindings = cli.split_gin_shorthand(["prog", "--gin.A.b=3", "--mode=train"])
     assert rest == ["prog", "--mode=train"] and bindings == ["A.b = 3"]
 
 
 def test_parse_gin_finds_files_on_the_search_path():
     gin.clear_config()
     try:
-        train.parse_gin(["vit_b16.gin"], [], [str(train.CONFIGS_DIR)])
+        cli.parse_gin(["vit_b16.gin"], [], [str(cli.CONFIGS_DIR)])
         assert gin.query_parameter("Trainer.global_batch_size") == 8
     finally:
         gin.clear_config()

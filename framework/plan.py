@@ -1,0 +1,109 @@
+"""Answers "will this config fit, and what is the fastest setting that does?" before a run:
+`python -m framework.plan --gin_file=... --memory_budget=16GiB [--policies=...]
+[--batch_sizes=...]`.
+
+It takes the trainer's gin flags, measures the real train step of that config for each remat policy
+and batch size (each in a fresh process, see `framework.planner`), prints a table and the pick,
+and writes `plan.json` and `plan.png` to `--model_dir`. Exit status: 0 with a pick, 1 when nothing
+fits, 2 for bad input (one `error:` line).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from absl import app, flags
+
+from framework import cli
+
+flags.DEFINE_list(
+    "batch_sizes",
+    None,
+    "Global batch sizes to try(default: the config's Trainer.global_batch_size).",
+)
+flags.DEFINE_integer(
+    "steps",
+    5,
+    "Timed steps per combination, after one warm-up and one measured step; the median counts.",
+    lower_bound=1,
+)
+flags.DEFINE_float(
+    "tie_tolerance",
+    0.05,
+    "Throughputs within this fraction of the best count as "
+    "equally fast; the earlier policy in --policies wins.",
+    lower_bound=0.0,
+    upper_bound=1.0,
+)
+FLAGS = flags.FLAGS
+
+
+def _batch_sizes() -> list[int | None]:
+    if not FLAGS.batch_sizes:
+        return [None]
+    sizes = []
+    for text in FLAGS.batch_sizes:
+        if not text.strip().isdigit() or int(text) < 1:
+            raise cli.UsageError(f"--batch_sizes: {text!r} is not a positive integer")
+        sizes.append(int(text))
+    return sizes
+
+
+def run(argv: Sequence[str], gin_shorthand: Sequence[str]) -> int:
+    """Plans for the parsed flags; returns the exit status (0 a pick, 1 nothing fits)."""
+    files, bindings = cli.gin_inputs(argv, gin_shorthand)
+    model_dir = cli.model_dir_flag()
+    budget = cli.memory_budget_flag()
+    if budget is None:
+        raise cli.UsageError("--memory_budget is required, e.g. --memory_budget=16GiB")
+    policies = cli.policies_flag()
+    batch_sizes = _batch_sizes()
+
+    import framework.configurables  # noqa: F401  (registers the gin names)
+    from framework import planner, trainer  # noqa: F401  (trainer registers Trainer with gin)
+
+    cli.parse_gin(files, bindings, FLAGS.gin_search_paths)
+    cli.prepare_model_dir(model_dir)
+    config = planner.RunConfig(files, bindings, FLAGS.gin_search_paths)
+    try:
+        plan = planner.make_plan(
+            config,
+            budget,
+            policies,
+            batch_sizes,
+            safety_margin=FLAGS.safety_margin,
+            steps=FLAGS.steps,
+            tie_tolerance=FLAGS.tie_tolerance,
+        )
+    except planner.launch.ConfigError as error:
+        raise cli.UsageError(str(error)) from None
+    json_path, png_path = planner.write_plan(plan, model_dir)
+    print(planner.table(plan))
+    print(planner.verdict(plan))
+    print(f"wrote {json_path} and {png_path}")
+    return 0 if plan.pick is not None else 1
+
+
+def main() -> None:
+    """Entry point: `python -m framework.plan`."""
+    try:
+        argv, shorthand = cli.split_gin_shorthand(sys.argv)
+    except cli.UsageError as error:
+        sys.exit(f"error: {error}")
+
+    def app_main(args: Sequence[str]) -> None:
+        logging.getLogger().setLevel(logging.INFO)
+        try:
+            status = run(args, shorthand)
+        except cli.UsageError as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(status)
+
+    app.run(app_main, argv=argv)
+
+
+if __name__ == "__main__":
+    main()

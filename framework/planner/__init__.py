@@ -1,0 +1,25 @@
+"""The fit planner: measure a config's real train step under each remat policy and batch size, and
+pick the fastest setting whose peak memory fits a budget.
+
+It sits beside the binaries, not in `framework.memory`, because it builds the gin-configured
+`Trainer` (library code imports neither the trainer nor gin). Each combination is measured in a
+fresh process (`measurement.py`, launched by `launch.py`): allocator statistics and XLA's state
+belong to a process, and one setting's leftovers must not count against the next.
+"""
+
+from framework.planner.choose import Plan, choose
+from framework.planner.launch import RunConfig, make_plan, measure_combination
+from framework.planner.measurement import Measurement
+from framework.planner.report import table, verdict, write_plan
+
+__all__ = [
+    "Measurement",
+    "Plan",
+    "RunConfig",
+    "choose",
+    "make_plan",
+    "measure_combination",
+    "table",
+    "verdict",
+    "write_plan",
+]

@@ -1,0 +1,62 @@
+"""The pick: the fastest combination whose peak fits the budget, with a safety margin.
+
+The rule, in order:
+1. A combination fits when it ran and its allocator peak is at most
+   `budget * (1 - safety_margin)` (the usable budget). The margin covers what one measured step
+   does not show: allocator fragmentation over a long run, evaluation, a checkpoint being written.
+2. Among those that fit, speed is throughput: examples per second (batch size / median step
+   time), so a larger batch wins only when it is faster per example, not per step.
+3. Throughputs within `tie_tolerance` of the best count as equal, because step times on a shared
+   machine move by a few percent between runs. Among equals the policy listed first wins (the
+   default order goes from the least recomputation to the most), then the higher throughput.
+   Without this, noise could pick full remat over no remat at the same measured speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from framework.planner.measurement import Measurement
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The measured combinations, the budget they were judged against, and the pick (or None)."""
+
+    measurements: tuple[Measurement, ...]
+    budget_bytes: int
+    safety_margin: float
+    tie_tolerance: float
+    pick: Measurement | None
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.budget_bytes * (1 - self.safety_margin))
+
+    def fits(self, measurement: Measurement) -> bool:
+        return measurement.ok and measurement.peak_bytes <= self.usable_bytes
+
+    @property
+    def smallest(self) -> Measurement | None:
+        """The measured combination with the lowest peak: what "nothing fits" points to."""
+        measured = [m for m in self.measurements if m.ok]
+        return min(measured, key=lambda m: m.peak_bytes) if measured else None
+
+
+def choose(
+    measurements: Sequence[Measurement],
+    budget_bytes: int,
+    safety_margin: float = 0.1,
+    tie_tolerance: float = 0.05,
+) -> Plan:
+    """Judges `measurements` (in the order the policies were listed) against a budget."""
+    plan = Plan(tuple(measurements), budget_bytes, safety_margin, tie_tolerance, pick=None)
+    fitting = [m for m in measurements if plan.fits(m)]
+    if not fitting:
+        return plan
+    best = max(m.examples_per_second for m in fitting)
+    equals = [m for m in fitting if m.examples_per_second >= best * (1 - tie_tolerance)]
+    order = {policy: i for i, policy in reversed(list(enumerate(m.policy for m in measurements)))}
+    pick = min(equals, key=lambda m: (order[m.policy], -m.examples_per_second))
+    return dataclasses.replace(plan, pick=pick)

@@ -1,0 +1,168 @@
+"""How a plan is shown: a table and a verdict on stdout, `plan.json` and `plan.png` on disk.
+
+The picture puts peak memory against step time for every combination that ran, with the budget
+and the usable budget as lines and the pick marked, so the trade-off is visible at a glance.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from framework.memory import format_bytes
+from framework.planner.choose import Plan
+from framework.planner.measurement import Measurement
+
+_COLUMNS = (
+    "policy",
+    "batch",
+    "peak",
+    "step adds",
+    "XLA total",
+    "XLA temp",
+    "step s",
+    "examples/s",
+    "fits",
+)
+
+
+def _mib(num_bytes: int | None) -> str:
+    return "-" if num_bytes is None else f"{num_bytes / 2**20:.1f} MiB"
+
+
+def _row(plan: Plan, m: Measurement) -> tuple[str, ...]:
+    batch = str(m.batch_size or "config")
+    if not m.ok:
+        return (m.policy, batch, "-", "-", "-", "-", "-", "-", f"failed: {m.error}")
+    mark = "yes" if plan.fits(m) else "no"
+    if m is plan.pick:
+        mark = "PICK"
+    return (
+        m.policy,
+        batch,
+        _mib(m.peak_bytes),
+        _mib(m.step_bytes),
+        _mib(m.compiled_total_bytes),
+        _mib(m.compiled_temp_bytes),
+        f"{m.step_seconds:.3f}",
+        f"{m.examples_per_second:.1f}",
+        mark,
+    )
+
+
+def table(plan: Plan) -> str:
+    """A fixed-width table, one row per combination; a failure keeps its row, the reason last."""
+    rows = [_COLUMNS, *(_row(plan, m) for m in plan.measurements)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS) - 1)] + [4]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def verdict(plan: Plan) -> str:
+    """One line: the pick and its headroom, or "nothing fits" with the smallest option."""
+    budget = (
+        f"{format_bytes(plan.budget_bytes)} with a {plan.safety_margin:.0%} margin "
+        f"(usable {format_bytes(plan.usable_bytes)})"
+    )
+    if plan.pick is not None:
+        pick = plan.pick
+        return (
+            f"pick: remat policy {pick.policy} at batch size {pick.batch_size}: peak "
+            f"{format_bytes(pick.peak_bytes)} of a budget of {budget}, "
+            f"{pick.examples_per_second:.1f} examples/s"
+        )
+    smallest = plan.smallest
+    if smallest is None:
+        return f"nothing fits in {budget}: no combination could be measured (see the table)"
+    over = smallest.peak_bytes - plan.usable_bytes
+    return (
+        f"nothing fits in {budget}: the smallest is remat policy {smallest.policy} at batch "
+        f"size {smallest.batch_size}, peak {format_bytes(smallest.peak_bytes)}, "
+        f"{format_bytes(over)} over the usable budget "
+        f"({smallest.peak_bytes / plan.budget_bytes:.2f}x the budget)"
+    )
+
+
+def to_json(plan: Plan) -> dict:
+    """Everything the plan knows, in plain JSON types."""
+    return {
+        "budget_bytes": plan.budget_bytes,
+        "safety_margin": plan.safety_margin,
+        "usable_bytes": plan.usable_bytes,
+        "tie_tolerance": plan.tie_tolerance,
+        "combinations": [
+            {**m.to_json(), "fits": plan.fits(m), "picked": m is plan.pick}
+            for m in plan.measurements
+        ],
+        "pick": None
+        if plan.pick is None
+        else {"policy": plan.pick.policy, "batch_size": plan.pick.batch_size},
+        "verdict": verdict(plan),
+    }
+
+
+def plot(plan: Plan, path: Path) -> None:
+    """Writes the peak-memory-against-step-time picture (matplotlib, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    measured = [m for m in plan.measurements if m.ok]
+    times = [m.step_seconds for m in measured] or [0.0]
+    middle = (min(times) + max(times)) / 2
+    for m in measured:
+        color = "tab:green" if plan.fits(m) else "tab:gray"
+        axes.scatter(m.step_seconds, m.peak_bytes / 2**20, color=color, zorder=3)
+        # Labels point inwards, so the ones of the slowest points stay inside the picture.
+        right = m.step_seconds > middle
+        axes.annotate(
+            m.label,
+            (m.step_seconds, m.peak_bytes / 2**20),
+            fontsize=8,
+            xytext=(-5 if right else 5, 5),
+            textcoords="offset points",
+            ha="right" if right else "left",
+        )
+    if plan.pick is not None:
+        axes.scatter(
+            plan.pick.step_seconds,
+            plan.pick.peak_bytes / 2**20,
+            marker="*",
+            s=300,
+            facecolors="none",
+            edgecolors="tab:red",
+            zorder=4,
+            label="pick",
+        )
+    axes.axhline(plan.budget_bytes / 2**20, color="tab:red", label="budget")
+    axes.axhline(
+        plan.usable_bytes / 2**20,
+        color="tab:red",
+        linestyle="--",
+        label=f"budget - {plan.safety_margin:.0%} margin",
+    )
+    peaks = [m.peak_bytes / 2**20 for m in measured] or [plan.budget_bytes / 2**20]
+    # A budget far above every peak would squash the points into one line at the bottom.
+    axes.set_ylim(0, max(min(plan.budget_bytes / 2**20, 4 * max(peaks)), max(peaks)) * 1.1)
+    axes.margins(x=0.15)
+    axes.set_xlabel("median step time (s)")
+    axes.set_ylabel("allocator peak (MiB)")
+    axes.set_title("remat policy and batch size: memory against time")
+    axes.grid(alpha=0.3)
+    axes.legend(loc="best", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def write_plan(plan: Plan, model_dir: str) -> tuple[Path, Path]:
+    """Writes `plan.json` and `plan.png` into model_dir; returns their paths."""
+    json_path, png_path = Path(model_dir, "plan.json"), Path(model_dir, "plan.png")
+    json_path.write_text(json.dumps(to_json(plan), indent=2) + "\n")
+    plot(plan, png_path)
+    return json_path, png_path

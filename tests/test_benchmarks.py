@@ -1,0 +1,48 @@
+"""Smoke tests of `benchmarks/`: each benchmark runs in `--quick` mode and prints its table.
+
+The full runs take many minutes and their numbers depend on the machine; here only the plumbing is
+checked (subprocess per setting, measuring, ratios, gradient check), on tiny models.
+"""
+
+import subprocess
+import sys
+
+from tests.subprocesses import REPO_DIR, child_env
+
+
+def _table_rows(text: str, model: str) -> dict[str, list[str]]:
+    """Table rows of `model`, keyed by setting, as lists of cells."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if len(cells) > 2 and cells[0] == model:
+            rows[cells[1]] = cells
+    return rows
+
+
+def test_remat_policies_quick(tmp_path):
+    out = tmp_path / "remat_policies.md"
+    command = [
+        sys.executable,
+        str(REPO_DIR / "benchmarks" / "remat_policies.py"),
+        "--quick",
+        "--models=stack",
+        "--settings=none,nothing_saveable",
+        f"--out={out}",
+    ]
+    proc = subprocess.run(
+        command, env=child_env(), capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = out.read_text()
+    assert report.startswith("Command: `python benchmarks/remat_policies.py --quick")
+    assert "Machine: " in report and "TensorFlow 2." in report
+    rows = _table_rows(report, "stack")
+    assert set(rows) == {"no remat", "`nothing_saveable`"}, report
+    # Columns: model, setting, peak MiB, memory ratio, XLA temp, XLA total, step s, time ratio,
+    # gradient error.
+    base, full = rows["no remat"], rows["`nothing_saveable`"]
+    assert base[3] == "1.00" and base[7] == "1.00" and base[8] == "reference", base
+    assert 0 < float(full[3]) < 1, full
+    assert float(full[7]) > 0, full
+    assert float(full[8]) < 1e-5, full

@@ -1,0 +1,190 @@
+"""`python -m framework.plan` and `Trainer.remat_policy = "auto"`: the planner measures a tiny
+config's real train step per remat policy, picks against a budget, and the pick holds when training.
+
+One planner run (module fixture) with a budget nothing fits gives the measurements; the pick for
+other budgets is then re-judged in-process with the same `choose` the binary uses, so the suite
+measures each combination once. The auto-mode run plans again, for a budget between the two peaks.
+"""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from framework import planner
+from framework.planner import Measurement
+from tests.subprocesses import REPO_DIR, child_env
+
+TINY = [
+    "--gin_file=quickstart.gin",
+    "--gin.data.shapes.image_size=16",
+    "--gin.data.shapes.eval_examples=64",
+    "--gin.models.VisionTransformer.image_size=16",
+    "--gin.models.VisionTransformer.depth=2",
+    "--gin.Trainer.global_batch_size=64",
+    "--gin.Trainer.train_steps=4",
+    "--gin.Trainer.steps_per_loop=2",
+]
+POLICIES = "--policies=none,nothing_saveable"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO_DIR,
+        env=child_env({"TF_CPU_ALLOCATOR_USE_BFC": "true"}),
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def tight_plan(tmp_path_factory):
+    """The planner on the tiny config with a 1 MiB budget, which nothing fits."""
+    model_dir = tmp_path_factory.mktemp("plan")
+    result = run_module(
+        "framework.plan",
+        *TINY,
+        POLICIES,
+        "--steps=2",
+        "--memory_budget=1MiB",
+        f"--model_dir={model_dir}",
+    )
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
+    return result, model_dir, json.loads((model_dir / "plan.json").read_text())
+
+
+def measurements(plan_json: dict) -> list[Measurement]:
+    return [Measurement.from_json(entry) for entry in plan_json["combinations"]]
+
+
+def test_nothing_fits_names_the_smallest_and_how_far_over(tight_plan):
+    result, _, plan_json = tight_plan
+    none, full = measurements(plan_json)
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:3] == ["policy", "batch", "peak"]
+    assert any(line.startswith("none ") for line in lines)
+    assert any(line.startswith("nothing_saveable ") for line in lines)
+    verdict = next(line for line in lines if line.startswith("nothing fits"))
+    assert "remat policy nothing_saveable at batch size 64" in verdict
+    assert "over the usable budget" in verdict
+    assert plan_json["verdict"] == verdict and plan_json["pick"] is None
+
+
+def test_plan_json_has_one_entry_per_combination(tight_plan):
+    _, _, plan_json = tight_plan
+    assert plan_json["budget_bytes"] == 2**20
+    assert plan_json["usable_bytes"] == int(2**20 * 0.9)
+    entries = plan_json["combinations"]
+    assert [(e["policy"], e["batch_size"]) for e in entries] == [
+        ("none", 64),
+        ("nothing_saveable", 64),
+    ]
+    for entry in entries:
+        assert entry["error"] is None and entry["fits"] is False
+        assert entry["peak_bytes"] > entry["step_bytes"] > 0
+        assert entry["compiled_total_bytes"] >= entry["compiled_temp_bytes"] > 0
+        assert entry["step_seconds"] > 0 and entry["examples_per_second"] > 0
+
+
+def test_plan_png_is_a_matplotlib_picture(tight_plan):
+    _, model_dir, _ = tight_plan
+    data = (model_dir / "plan.png").read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000
+    assert b"Software\x00Matplotlib" in data  # the tEXt chunk matplotlib writes
+
+
+def test_pick_moves_from_no_remat_to_remat_to_nothing_as_the_budget_shrinks(tight_plan):
+    _, _, plan_json = tight_plan
+    none, full = measurements(plan_json)
+    assert none.peak_bytes > 1.3 * full.peak_bytes, "full remat should need clearly less"
+    assert none.compiled_temp_bytes > full.compiled_temp_bytes
+
+    def pick(budget: float, margin: float = 0.1) -> Measurement | None:
+        # Tolerance 1: every fitting option counts as equally fast, so the budget alone decides
+        # and the first-listed (least recomputation) policy that fits wins.
+        return planner.choose([none, full], int(budget), margin, tie_tolerance=1.0).pick
+
+    assert pick(none.peak_bytes / 0.9 + 1).policy == "none"
+    between = (none.peak_bytes + full.peak_bytes) / 2
+    assert pick(between / 0.9).policy == "nothing_saveable"
+    assert pick(between, margin=0.0).policy == "nothing_saveable"
+    assert pick(full.peak_bytes / 0.9 - 2**10) is None
+    assert pick(full.peak_bytes, margin=0.0).policy == "nothing_saveable"
+
+
+def test_auto_policy_trains_with_the_pick_under_the_budget(tight_plan, tmp_path):
+    _, _, plan_json = tight_plan
+    none, full = measurements(plan_json)
+    usable = (none.peak_bytes + full.peak_bytes) / 2
+    budget = int(usable / 0.9)
+    result = run_module(
+        "framework.train",
+        *TINY,
+        POLICIES,
+        "--gin.Trainer.remat_policy='auto'",
+        f"--memory_budget={budget}",
+        "--mode=train",
+        f"--model_dir={tmp_path}",
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "remat policy auto: pick: remat policy nothing_saveable" in result.stderr
+    assert "Trainer.remat_policy = 'nothing_saveable'" in (tmp_path / "config.gin").read_text()
+    assert json.loads((tmp_path / "plan.json").read_text())["pick"]["policy"] == "nothing_saveable"
+    peaks = [float(mib) for mib in re.findall(r"peak memory ([\d.]+) MiB", result.stderr)]
+    assert len(peaks) == 2, result.stderr[-3000:]  # 4 steps, 2 per loop
+    assert max(peaks) * 2**20 < budget, (peaks, budget)
+
+
+def step(policy: str, batch: int, seconds: float, peak: int) -> Measurement:
+    return Measurement(policy, batch, peak_bytes=peak, live_before_bytes=0, step_seconds=seconds)
+
+
+def test_the_pick_is_the_highest_throughput_that_fits_ties_going_to_less_recomputation():
+    options = [
+        step("none", 32, 1.00, 900),
+        step("dots_saveable", 32, 0.98, 600),
+        step("nothing_saveable", 32, 0.70, 300),
+        step("nothing_saveable", 64, 1.20, 500),
+        Measurement("none", 64, error="out of memory", stage="run"),
+    ]
+    # 53 examples/s is the best; at tolerance 0.2 only the same policy at batch 32 (46/s) ties.
+    assert planner.choose(options, 1000, 0.1, 0.0).pick is options[3]
+    assert planner.choose(options, 1000, 0.1, 0.2).pick is options[3]
+    # At 0.45 no remat (32/s) ties too, and the first-listed policy wins.
+    assert planner.choose(options, 1000, 0.1, 0.45).pick is options[0]
+    assert planner.choose(options, 600, 0.1, 1.0).pick is options[3]  # usable 540: remat only
+    plan = planner.choose(options, 300, 0.1, 0.0)
+    assert plan.pick is None and plan.smallest is options[2]
+    assert "failed: out of memory" in planner.table(plan)
+
+
+@pytest.mark.parametrize(
+    "module, args, message",
+    [
+        ("framework.plan", ["--memory_budget=16 parsecs"], "--memory_budget: Not a byte size"),
+        ("framework.plan", [], "--memory_budget is required"),
+        (
+            "framework.plan",
+            ["--memory_budget=1GiB", "--policies=none,sometimes"],
+            "unknown remat policy 'sometimes'",
+        ),
+        (
+            "framework.plan",
+            ["--memory_budget=1GiB", "--gin.Trainer.strategy='tpu_v9'"],
+            "cannot build the run: unknown strategy",
+        ),
+        ("framework.train", ["--gin.Trainer.remat_policy='auto'"], "needs --memory_budget"),
+    ],
+)
+def test_bad_input_is_one_clear_line(module, args, message, tmp_path):
+    result = run_module(module, *TINY, *args, f"--model_dir={tmp_path}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
