@@ -33,18 +33,23 @@ def _project(args: argparse.Namespace) -> list[str]:
     return [f"--project={args.project}"] if args.project else []
 
 
-def _tpu_vm(args: argparse.Namespace, verb: str) -> list[str]:
-    """`gcloud compute tpus tpu-vm VERB NAME --zone=...` (create, ssh, delete)."""
+def _tpus(args: argparse.Namespace, resource: str, verb: str) -> list[str]:
+    """`gcloud compute tpus RESOURCE VERB NAME --zone=... [--project=...]`."""
     return [
         "gcloud",
         "compute",
         "tpus",
-        "tpu-vm",
+        resource,
         verb,
         args.name,
         f"--zone={args.zone}",
         *_project(args),
     ]
+
+
+def _tpu_vm(args: argparse.Namespace, verb: str) -> list[str]:
+    """`gcloud compute tpus tpu-vm VERB NAME --zone=...` (create, ssh, delete)."""
+    return _tpus(args, "tpu-vm", verb)
 
 
 def _on_workers(args: argparse.Namespace, remote_command: str) -> list[str]:
@@ -58,18 +63,11 @@ def create_commands(args: argparse.Namespace) -> list[list[str]]:
     if args.queued:
         return [
             [
-                "gcloud",
-                "compute",
-                "tpus",
-                "queued-resources",
-                "create",
-                args.name,
+                *_tpus(args, "queued-resources", "create"),
                 f"--node-id={args.name}",
-                f"--zone={args.zone}",
                 f"--accelerator-type={args.accelerator_type}",
                 f"--runtime-version={args.runtime_version}",
                 *tier,
-                *_project(args),
             ]
         ]
     return [
@@ -133,20 +131,7 @@ def logs_commands(args: argparse.Namespace) -> list[list[str]]:
 
 def delete_commands(args: argparse.Namespace) -> list[list[str]]:
     if args.queued:
-        return [
-            [
-                "gcloud",
-                "compute",
-                "tpus",
-                "queued-resources",
-                "delete",
-                args.name,
-                f"--zone={args.zone}",
-                "--force",
-                "--quiet",
-                *_project(args),
-            ]
-        ]
+        return [[*_tpus(args, "queued-resources", "delete"), "--force", "--quiet"]]
     return [[*_tpu_vm(args, "delete"), "--quiet"]]
 
 

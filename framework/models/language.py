@@ -15,7 +15,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from framework.models.transformer import TransformerBlock
+from framework.models.transformer import TransformerBlock, add_blocks, blocks_of
 
 _INIT = keras.initializers.RandomNormal(stddev=0.02)
 
@@ -58,18 +58,12 @@ class _TextTransformer(keras.Model):
             max_length, dim, embeddings_initializer=_INIT, name="position_embedding"
         )
         self.embed_dropout = keras.layers.Dropout(dropout)
-        self.depth = depth
-        # One attribute per block: Keras 3 wraps a list attribute in a type that
-        # tf.train.Checkpoint does not track, so blocks held in a list are never saved.
-        for i in range(depth):
-            setattr(
-                self, f"block_{i}", TransformerBlock(num_heads, mlp_dim, dropout, name=f"block_{i}")
-            )
+        add_blocks(self, depth, num_heads, mlp_dim, dropout)
         self.norm = keras.layers.LayerNormalization(epsilon=1e-6, dtype="float32", name="norm")
 
     @property
     def blocks(self) -> list[TransformerBlock]:
-        return [getattr(self, f"block_{i}") for i in range(self.depth)]
+        return blocks_of(self)
 
     def build(self, input_shape=None):
         rows = (None, self.max_length)

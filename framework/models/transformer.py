@@ -115,3 +115,23 @@ class TransformerBlock(keras.layers.Layer):
             "mlp_dim": self.mlp_dim,
             "dropout": self.dropout_rate,
         }
+
+
+def add_blocks(
+    owner: keras.layers.Layer, depth: int, num_heads: int, mlp_dim: int, dropout: float
+) -> None:
+    """Gives `owner` `depth` TransformerBlocks as attributes `block_0`, `block_1`, ...
+
+    One attribute per block, not a list: Keras 3 wraps a list attribute in a type that
+    tf.train.Checkpoint does not track, so blocks held in a list would not be saved.
+    """
+    owner.depth = depth
+    for i in range(depth):
+        setattr(
+            owner, f"block_{i}", TransformerBlock(num_heads, mlp_dim, dropout, name=f"block_{i}")
+        )
+
+
+def blocks_of(owner: keras.layers.Layer) -> list[TransformerBlock]:
+    """The blocks `add_blocks` gave `owner`, in order."""
+    return [getattr(owner, f"block_{i}") for i in range(owner.depth)]

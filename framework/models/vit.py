@@ -9,7 +9,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from framework.models.transformer import TransformerBlock
+from framework.models.transformer import TransformerBlock, add_blocks, blocks_of
 
 
 class VisionTransformer(keras.Model):
@@ -49,20 +49,14 @@ class VisionTransformer(keras.Model):
             name="positions",
         )
         self.embed_dropout = keras.layers.Dropout(dropout)
-        self.depth = depth
-        # One attribute per block: Keras 3 wraps a list attribute in a type that
-        # tf.train.Checkpoint does not track, so blocks held in a list would not be saved.
-        for i in range(depth):
-            setattr(
-                self, f"block_{i}", TransformerBlock(num_heads, mlp_dim, dropout, name=f"block_{i}")
-            )
+        add_blocks(self, depth, num_heads, mlp_dim, dropout)
         self.norm = keras.layers.LayerNormalization(epsilon=1e-6, dtype="float32", name="norm")
         self.head = keras.layers.Dense(num_classes, dtype="float32", name="head")
         self.build((None, image_size, image_size, channels))
 
     @property
     def blocks(self) -> list[TransformerBlock]:
-        return [getattr(self, f"block_{i}") for i in range(self.depth)]
+        return blocks_of(self)
 
     def build(self, input_shape):
         batch = input_shape[0]
