@@ -17,9 +17,10 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
+from framework import cli  # noqa: F401  (defines --model_dir, shared with the trainer)
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-flags.DEFINE_string("model_dir", None, "The run's directory (config.gin, checkpoints/).")
 flags.DEFINE_string("prompt", "", "Text to continue; empty starts a new document.")
 flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 picks the likeliest token.")
 flags.DEFINE_integer("max_tokens", 64, "Tokens to generate (fewer if [EOS] comes first).")
