@@ -8,6 +8,7 @@ trainer uses them for `Trainer.remat_policy = "auto"`, the planner for its pick.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -91,9 +92,10 @@ def prepare_model_dir(model_dir: str) -> None:
     """Creates model_dir and checks it is writable before anything expensive starts."""
     try:
         os.makedirs(model_dir, exist_ok=True)
-        probe = Path(model_dir, ".write_test")
-        probe.write_text("")
-        probe.unlink()
+        # A probe of this process' own: the workers of a cluster check the same directory.
+        descriptor, probe = tempfile.mkstemp(prefix=".write_test-", dir=model_dir)
+        os.close(descriptor)
+        os.unlink(probe)
     except OSError as error:
         raise UsageError(f"model_dir {model_dir!r} is not writable: {error.strerror}") from None
 
