@@ -146,6 +146,12 @@ def create_strategy(
     return strategy
 
 
+def first_device(strategy: tf.distribute.Strategy) -> str:
+    """The first replica's device as memory statistics name it, e.g. "CPU:0" or "TPU:0"."""
+    spec = tf.DeviceSpec.from_string(strategy.extended.worker_devices[0])
+    return f"{spec.device_type}:{spec.device_index}"
+
+
 def is_chief(strategy: tf.distribute.Strategy) -> bool:
     """Whether this process writes checkpoints, summaries and the run record (one per cluster)."""
     return strategy.extended.should_checkpoint

@@ -114,8 +114,7 @@ class Trainer:
         self.clip_norm = clip_norm
         self.traces: collections.Counter[str] = collections.Counter()
         # Peak memory is logged per loop for the first replica's device, if its allocator counts.
-        spec = tf.DeviceSpec.from_string(self.strategy.extended.worker_devices[0])
-        self._memory_device = f"{spec.device_type}:{spec.device_index}"
+        self._memory_device = distribute.first_device(self.strategy)
         if not memory.keeps_statistics(self._memory_device):
             logging.info("peak memory not logged: %s keeps no statistics", self._memory_device)
             self._memory_device = None

@@ -19,23 +19,7 @@ from launch import local_cluster
 from tests import tiny
 from tests.subprocesses import REPO_DIR, child_env
 
-TINY_FLAGS = [
-    "--gin_file=quickstart.gin",
-    "--gin.Trainer.global_batch_size=16",
-    "--gin.Trainer.steps_per_loop=5",
-    "--gin.Trainer.learning_rate=3e-3",
-    "--gin.Trainer.warmup_steps=2",
-    "--gin.Trainer.remat_policy='dots_saveable'",
-    "--gin.data.shapes.image_size=8",
-    "--gin.data.shapes.num_classes=4",
-    "--gin.data.shapes.eval_examples=64",
-    "--gin.models.VisionTransformer.image_size=8",
-    "--gin.models.VisionTransformer.num_classes=4",
-    "--gin.models.VisionTransformer.depth=2",
-    "--gin.models.VisionTransformer.dim=16",
-    "--gin.models.VisionTransformer.num_heads=2",
-    "--gin.models.VisionTransformer.mlp_dim=32",
-]
+TINY_FLAGS = [*tiny.GIN_FLAGS, "--gin.Trainer.remat_policy='dots_saveable'"]
 
 
 def start_cluster(model_dir, *flags: str) -> subprocess.Popen:

@@ -1,31 +1,27 @@
-"""A tiny ViT run on the shapes task, small enough for a unit test to train in seconds."""
+"""A tiny ViT run on the shapes task, small enough for a unit test to train in seconds.
+
+The same run is given two ways from one set of numbers: `TRAINER_ARGS` for an in-process `Trainer`,
+and `GIN_FLAGS` for `python -m framework.train` (on top of quickstart.gin), so that tests can
+compare a run of the binary with one built in the test.
+"""
 
 import functools
 
 from framework.data import synthetic_images
 from framework.models import VisionTransformer
 
-IMAGE_SIZE = 8
+MODEL = dict(image_size=8, patch_size=4, num_classes=4, dim=16, depth=2, num_heads=2, mlp_dim=32)
+DATA = dict(image_size=8, num_classes=4, eval_examples=64)
+TRAINING = dict(global_batch_size=16, steps_per_loop=5, learning_rate=3e-3, warmup_steps=2)
 
-model_fn = functools.partial(
-    VisionTransformer,
-    image_size=IMAGE_SIZE,
-    patch_size=4,
-    num_classes=4,
-    dim=16,
-    depth=2,
-    num_heads=2,
-    mlp_dim=32,
-)
-dataset_fn = functools.partial(
-    synthetic_images.shapes, image_size=IMAGE_SIZE, num_classes=4, eval_examples=64
-)
+model_fn = functools.partial(VisionTransformer, **MODEL)
+dataset_fn = functools.partial(synthetic_images.shapes, **DATA)
 
-TRAINER_ARGS = dict(
-    model_fn=model_fn,
-    dataset_fn=dataset_fn,
-    global_batch_size=16,
-    steps_per_loop=5,
-    learning_rate=3e-3,
-    warmup_steps=2,
-)
+TRAINER_ARGS = dict(model_fn=model_fn, dataset_fn=dataset_fn, **TRAINING)
+
+GIN_FLAGS = [
+    "--gin_file=quickstart.gin",
+    *(f"--gin.Trainer.{name}={value}" for name, value in TRAINING.items()),
+    *(f"--gin.data.shapes.{name}={value}" for name, value in DATA.items()),
+    *(f"--gin.models.VisionTransformer.{name}={value}" for name, value in MODEL.items()),
+]

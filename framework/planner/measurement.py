@@ -134,13 +134,10 @@ def measure(spec: dict) -> Measurement:
 def _measure_steps(trainer, policy: str, steps: int) -> Measurement:
     """Warms up (trace, compile, optimizer slots), then measures one steady step's peak, the
     median time of `steps` steps, and XLA's buffer assignment of the step."""
-    import tensorflow as tf
-
-    from framework import memory
+    from framework import distribute, memory
 
     # The first replica's device: on TPU and GPU that device's own allocator is read.
-    first = tf.DeviceSpec.from_string(trainer.strategy.extended.worker_devices[0])
-    device = f"{first.device_type}:{first.device_index}"
+    device = distribute.first_device(trainer.strategy)
     iterator = trainer.train_iterator()
     trainer.run_steps(iterator, 1)
     with memory.PeakTracker(device) as tracker:
