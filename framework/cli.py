@@ -21,7 +21,14 @@ CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_GIN_FILE = "quickstart.gin"
 DEFAULT_MODEL_DIR = "runs/quickstart"
 GIN_SHORTHAND = "--gin."
-DEFAULT_POLICIES = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable")
+DEFAULT_POLICIES = (
+    "none",
+    "dots_saveable+random_masks_saveable",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "random_masks_saveable",
+    "nothing_saveable",
+)
 
 flags.DEFINE_multi_string("gin_file", None, "Gin config files, found on --gin_search_paths.")
 flags.DEFINE_multi_string("gin_param", None, "Gin bindings, e.g. 'Trainer.train_steps = 100'.")
@@ -140,9 +147,8 @@ def policies_flag() -> list[str]:
     if not names:
         raise UsageError("--policies is empty: name at least one remat policy")
     for name in names:
-        if name.lower() not in policies.policy_names():
-            raise UsageError(
-                f"--policies: unknown remat policy {name!r}; choose from "
-                f"{', '.join(policies.policy_names())}"
-            )
+        try:
+            policies.get_policy(name)
+        except ValueError as error:
+            raise UsageError(f"--policies: {error}") from None
     return names

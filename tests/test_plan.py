@@ -172,7 +172,7 @@ def test_the_pick_is_the_highest_throughput_that_fits_ties_going_to_less_recompu
         (
             "framework.plan",
             ["--memory_budget=1GiB", "--policies=none,sometimes"],
-            "unknown remat policy 'sometimes'",
+            "Unknown remat policy 'sometimes'",
         ),
         (
             "framework.plan",

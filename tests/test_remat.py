@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from framework import remat
+from framework import memory, remat
 from framework.remat import policies
 
 TOL = 1e-5
@@ -69,8 +69,20 @@ ALL_POLICIES = [
     policies.save_only_these_names("attn_out"),
     policies.save_any_names_but_these("attn_out"),
     lambda op: op.op_type in ("Softmax", "Erf") or op.name == "mlp_hidden",
+    "random_masks_saveable",
+    "dots_saveable+random_masks_saveable",
 ]
-POLICY_IDS = ["everything", "nothing", "dots", "dots_no_batch", "only_names", "but_names", "custom"]
+POLICY_IDS = [
+    "everything",
+    "nothing",
+    "dots",
+    "dots_no_batch",
+    "only_names",
+    "but_names",
+    "custom",
+    "masks",
+    "dots+masks",
+]
 
 
 def make_stack(n: int = 1, d: int = 16, seq: int = 8, batch: int = 2):
@@ -280,6 +292,16 @@ def test_policy_resolution_and_predicates():
     assert only(remat.OpInfo("Identity", (), (), name="a"))
     assert not only(remat.OpInfo("Identity", (), (), name="b"))
 
+    mask = remat.OpInfo("GreaterEqual", ((4,),), (tf.bool,), random=True)
+    relu_mask = remat.OpInfo("Greater", ((4,),), (tf.bool,))
+    random_floats = remat.OpInfo("StatelessRandomUniformV2", ((4,),), (tf.float32,), random=True)
+    masks = policies.random_masks_saveable
+    assert masks(mask) and not masks(relu_mask) and not masks(random_floats)
+    both = remat.get_policy(" dots_saveable + random_masks_saveable")
+    assert both(mask) and both(remat.OpInfo("MatMul", (), ())) and not both(random_floats)
+    with pytest.raises(ValueError, match="join them with"):
+        remat.get_policy("dots_saveable+masks")
+
 
 def _count_dots(step, x) -> int:
     hlo = step.experimental_get_compiler_ir(x)(stage="optimized_hlo")
@@ -295,6 +317,44 @@ def test_xla_keeps_recomputation_and_saved_dots():
         counts[policy] = _count_dots(stack_step(blocks, "xla"), x)
     assert counts["dots_saveable"] == counts["everything_saveable"], counts
     assert counts["nothing_saveable"] > counts["everything_saveable"], counts
+
+
+def test_random_masks_saved_as_bits_and_never_regenerated():
+    blocks, x = make_stack(n=2)
+    rng_calls = {}
+    for policy in ("everything_saveable", "nothing_saveable", "random_masks_saveable"):
+        for blk in blocks:
+            remat.checkpoint(blk, policy)
+        hlo = stack_step(blocks, "xla").experimental_get_compiler_ir(x)(stage="optimized_hlo")
+        rng_calls[policy] = len(re.findall(r"to_apply=%rng", hlo))
+    assert rng_calls["everything_saveable"] > 0, rng_calls
+    assert rng_calls["nothing_saveable"] == 2 * rng_calls["everything_saveable"], rng_calls
+    assert rng_calls["random_masks_saveable"] == rng_calls["everything_saveable"], rng_calls
+
+    blk = blocks[0]
+    remat.checkpoint(blk, "random_masks_saveable")
+    rows = remat.saved_residuals(lambda x: tf.reduce_sum(blk(x, training=True) ** 2), x)
+    # Three dropout calls of 2*2*8*8, 2*8*16 and 2*8*16 values: 256 bits, 32 bytes, each.
+    assert [(r.dtype, r.bytes) for r in rows if r.dtype in ("bool", "uint8")] == [("uint8", 32)] * 3
+    remat.checkpoint(blk, None)
+
+
+def test_full_remat_holds_one_regions_random_bits_at_a_time():
+    """Forward seeds are tied to each region's input: XLA cannot draw all regions' bits first."""
+    blocks, x = make_stack(n=8, d=64, seq=128, batch=8)
+    for blk in blocks:
+        remat.checkpoint(blk, "nothing_saveable")
+    temp = {}
+    for rate in (0.2, 0.0):
+        for blk in blocks:
+            blk.drop.rate = rate
+        temp[rate] = memory.compiled_bytes(stack_step(blocks, "xla"), x).temp_bytes
+    for blk in blocks:
+        blk.drop.rate = 0.2
+        remat.checkpoint(blk, None)
+    # One block draws 4 random bytes for each of 8*4*128*128 + 2*8*128*64 dropout values.
+    one_block_bits = 4 * (8 * 4 * 128 * 128 + 2 * 8 * 128 * 64)
+    assert temp[0.2] - temp[0.0] <= 1.1 * one_block_bits, (temp, one_block_bits)
 
 
 def test_saved_residuals_reports_what_the_policy_keeps(capsys):

@@ -53,9 +53,9 @@ def _is_tensor(x: Any) -> bool:
     return isinstance(x, tf.Tensor)
 
 
-def _dependency(grads: list) -> tf.Tensor:
-    """A float32 zero that cannot be computed before `grads` exist (NaN-safe, reads one element)."""
-    for g in grads:
+def _dependency(tensors: list) -> tf.Tensor:
+    """A float32 zero that cannot be computed before `tensors` exist (NaN-safe, reads 1 element)."""
+    for g in tensors:
         if g is not None and (g.dtype.is_floating or g.dtype.is_complex):
             elem = tf.reduce_max(tf.math.real(tf.reshape(g, [-1])[:1]))
             elem_bool = tf.cast(elem, tf.bool)
@@ -132,7 +132,7 @@ class Checkpointed:
         @tf.custom_gradient
         def region(*tensors):
             rec = Region(policy, label)
-            with rec.recording(), record.stop_recording():
+            with rec.recording(_dependency(list(tensors))), record.stop_recording():
                 out = call_with(tensors)
             flat_out, out_positions = split_outputs(out)
             layout.update(structure=out, flat=flat_out, positions=out_positions)

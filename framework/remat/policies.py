@@ -27,6 +27,7 @@ class OpInfo:
     name: str | None = None
     attrs: tuple = ()
     input_shapes: tuple[tuple[int | None, ...], ...] = ()
+    random: bool = False  # computed from random bits and constants alone (a dropout keep mask)
 
     def attr(self, key: str):
         """Returns the attribute `key` (an `AttrValue` proto) or None."""
@@ -56,6 +57,30 @@ def dots_saveable(op: OpInfo) -> bool:
     around them is recomputed.
     """
     return op.op_type in DOT_OPS
+
+
+def random_masks_saveable(op: OpInfo) -> bool:
+    """Saves boolean values computed from random bits alone: the keep masks of dropout.
+
+    One byte per element instead of rerunning the random number generator in the recomputation,
+    which on XLA:CPU costs more than the rest of the dropout layer (about 11 ns per element here).
+    Combine it with another policy: `"dots_saveable+random_masks_saveable"`.
+    """
+    return op.random and bool(op.dtypes) and all(d == tf.bool for d in op.dtypes)
+
+
+def save_from_both_policies(first: Policy, second: Policy) -> Policy:
+    """Saves what either policy saves (as `jax.checkpoint_policies.save_from_both_policies`)."""
+
+    def policy(op: OpInfo) -> bool:
+        return first(op) or second(op)
+
+    policy.__name__ = f"{_name(first)}+{_name(second)}"
+    return policy
+
+
+def _name(policy: Policy) -> str:
+    return getattr(policy, "__name__", repr(policy))
 
 
 def _einsum_has_batch_dims(op: OpInfo) -> bool:
@@ -117,6 +142,7 @@ _NAMED: dict[str, Policy] = {
     "nothing_saveable": nothing_saveable,
     "dots_saveable": dots_saveable,
     "dots_with_no_batch_dims_saveable": dots_with_no_batch_dims_saveable,
+    "random_masks_saveable": random_masks_saveable,
     "full": nothing_saveable,
     "dots": dots_saveable,
 }
@@ -145,7 +171,14 @@ def get_policy(policy: str | Policy | None) -> Policy:
             return everything_saveable
         if key in _NAMED:
             return _NAMED[key]
+        parts = [part.strip() for part in key.split("+")]
+        if len(parts) > 1 and all(part in _NAMED for part in parts):
+            combined = _NAMED[parts[0]]
+            for part in parts[1:]:
+                combined = save_from_both_policies(combined, _NAMED[part])
+            return combined
     raise ValueError(
-        f"Unknown remat policy {policy!r}. Choose one of {policy_names()}, or pass a callable "
-        "taking an OpInfo, e.g. save_only_these_names('attn_out')."
+        f"Unknown remat policy {policy!r}. Choose one of {policy_names()} or join them with '+' "
+        "(saves what any of them saves), or pass a callable taking an OpInfo, e.g. "
+        "save_only_these_names('attn_out')."
     )
