@@ -392,6 +392,9 @@ def format_report(
         "of one step after a warm-up step, minus what was live before it. Time: median of "
         f"{steps} steps; time ratio: against a no-remat copy timed in alternation in the same "
         "process. Each setting in a fresh process with TF_CPU_ALLOCATOR_USE_BFC=true.",
+        "A peak above the XLA temp bytes, at a power of two MiB, is the BFC allocator handing "
+        "a whole free chunk to the step's temp buffer, which it does when splitting the chunk "
+        "would leave less than 128 MiB; XLA temp MiB is what the step itself asks for.",
         *[f"- {m}: {model_spec(m, quick).description}" for m in model_names],
         "",
         format_table(results),
