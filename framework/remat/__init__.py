@@ -5,6 +5,7 @@ recomputation that XLA keeps. See docs/remat.md.
 
     from framework import remat
     remat.set_grad_checkpointing(model, policy="dots_saveable")
+    remat.set_grad_checkpointing(model, policy="dots_saveable+random_masks_saveable")
     block = remat.checkpoint(block_fn, policy="nothing_saveable")
     h = remat.checkpoint_name(h, "attn_out")
     remat.print_saved_residuals(loss_fn, x)
