@@ -303,34 +303,35 @@ def test_policy_resolution_and_predicates():
         remat.get_policy("dots_saveable+masks")
 
 
-def _count_dots(step, x) -> int:
-    hlo = step.experimental_get_compiler_ir(x)(stage="optimized_hlo")
-    return len(re.findall(r"\bdot\(", hlo))
+def _count_in_optimized_hlo(pattern: str, policies_to_try: tuple[str, ...]) -> dict[str, int]:
+    """How often `pattern` occurs in the optimized HLO of a 2-block XLA step, per policy."""
+    blocks, x = make_stack(n=2)
+    counts = {}
+    for policy in policies_to_try:
+        for blk in blocks:
+            remat.checkpoint(blk, policy)
+        hlo = stack_step(blocks, "xla").experimental_get_compiler_ir(x)(stage="optimized_hlo")
+        counts[policy] = len(re.findall(pattern, hlo))
+    return counts
 
 
 def test_xla_keeps_recomputation_and_saved_dots():
-    blocks, x = make_stack(n=2)
-    counts = {}
-    for policy in ("everything_saveable", "nothing_saveable", "dots_saveable"):
-        for blk in blocks:
-            remat.checkpoint(blk, policy)
-        counts[policy] = _count_dots(stack_step(blocks, "xla"), x)
+    counts = _count_in_optimized_hlo(
+        r"\bdot\(", ("everything_saveable", "nothing_saveable", "dots_saveable")
+    )
     assert counts["dots_saveable"] == counts["everything_saveable"], counts
     assert counts["nothing_saveable"] > counts["everything_saveable"], counts
 
 
 def test_random_masks_saved_as_bits_and_never_regenerated():
-    blocks, x = make_stack(n=2)
-    rng_calls = {}
-    for policy in ("everything_saveable", "nothing_saveable", "random_masks_saveable"):
-        for blk in blocks:
-            remat.checkpoint(blk, policy)
-        hlo = stack_step(blocks, "xla").experimental_get_compiler_ir(x)(stage="optimized_hlo")
-        rng_calls[policy] = len(re.findall(r"to_apply=%rng", hlo))
+    rng_calls = _count_in_optimized_hlo(
+        r"to_apply=%rng", ("everything_saveable", "nothing_saveable", "random_masks_saveable")
+    )
     assert rng_calls["everything_saveable"] > 0, rng_calls
     assert rng_calls["nothing_saveable"] == 2 * rng_calls["everything_saveable"], rng_calls
     assert rng_calls["random_masks_saveable"] == rng_calls["everything_saveable"], rng_calls
 
+    blocks, x = make_stack(n=1)
     blk = blocks[0]
     remat.checkpoint(blk, "random_masks_saveable")
     rows = remat.saved_residuals(lambda x: tf.reduce_sum(blk(x, training=True) ** 2), x)
