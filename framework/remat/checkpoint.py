@@ -55,9 +55,9 @@ def _is_tensor(x: Any) -> bool:
 
 def _dependency(tensors: list) -> tf.Tensor:
     """A float32 zero that cannot be computed before `tensors` exist (NaN-safe, reads 1 element)."""
-    for g in tensors:
-        if g is not None and (g.dtype.is_floating or g.dtype.is_complex):
-            elem = tf.reduce_max(tf.math.real(tf.reshape(g, [-1])[:1]))
+    for t in tensors:
+        if t is not None and (t.dtype.is_floating or t.dtype.is_complex):
+            elem = tf.reduce_max(tf.math.real(tf.reshape(t, [-1])[:1]))
             elem_bool = tf.cast(elem, tf.bool)
             return tf.where(tf.equal(elem_bool, elem_bool), 0.0, float("nan"))
     return tf.constant(0.0)

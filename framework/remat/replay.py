@@ -118,6 +118,11 @@ def tagging(name: str) -> Iterator[None]:
         _local.tag = previous
 
 
+def _is_random_op(op_type: str) -> bool:
+    """Stateless random ops (`StatelessRandomUniformV2`, ...): the ones whose seeds are replayed."""
+    return op_type.startswith("Stateless") and op_type not in _CONTROL_FLOW_OPS
+
+
 def _shape(t: tf.Tensor) -> tuple[int | None, ...]:
     return tuple(t.shape.as_list()) if t.shape.rank is not None else ()
 
@@ -232,7 +237,7 @@ class Region:
             or threading.get_ident() != self._thread
         ):
             return None
-        is_random_op = op_type.startswith("Stateless") and op_type not in _CONTROL_FLOW_OPS
+        is_random_op = _is_random_op(op_type)
         info = OpInfo(
             op_type=op_type,
             shapes=tuple(_shape(t) for t in outputs),
@@ -279,7 +284,7 @@ class Region:
             index, absolute = _WRITE_OPS[info.op_type]
             if absolute:
                 entry.written = inputs[index]
-        elif info.op_type.startswith("Stateless") and info.op_type not in _CONTROL_FLOW_OPS:
+        elif _is_random_op(info.op_type):
             names = [arg.name for arg in graph.get_operation_by_name(op_name).op_def.input_arg]
             entry.seeds = {i: inputs[i] for i, n in enumerate(names) if n in _SEED_ARGS}
             self._tie_seeds(op_name, graph, entry.seeds)
