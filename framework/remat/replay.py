@@ -139,29 +139,43 @@ def _in_graph(t: tf.Tensor, graph: tf.Graph) -> tf.Tensor:
     return graph.capture(t)
 
 
-_BIT_VALUES = (1, 2, 4, 8, 16, 32, 64, 128)
+_WORD_BITS = 32
+_WORD_BIT_VALUES = tuple(1 << i for i in range(_WORD_BITS))
 
 
 def _packable(t: tf.Tensor) -> bool:
-    return t.dtype == tf.bool and t.shape.is_fully_defined()
+    return t.dtype == tf.bool and t.shape.is_fully_defined() and t.shape.num_elements() > 0
+
+
+def _as_rows(shape: tf.TensorShape) -> tuple[int, int]:
+    """`shape` seen as a matrix: (rows, columns) with the last dimension as the columns."""
+    columns = shape[-1] if shape.rank >= 2 else 1
+    return shape.num_elements() // max(columns, 1), columns
 
 
 def _pack_bits(mask: tf.Tensor) -> tf.Tensor:
-    """A boolean tensor as uint8 bytes, 8 values per byte, for saving (e.g. a dropout mask).
+    """A boolean tensor as uint32 words, one bit per value, for saving (e.g. a dropout mask).
 
     Saved as is, XLA fuses the comparison that made the mask into each consumer and keeps the
     4-byte random bits it compared instead; the reduction here is not fused into two places, so
-    one bit per value is all that stays alive until the backward pass.
+    one bit per value is all that stays alive until the backward pass. A word holds the values
+    of 32 rows at one column (rows: all dimensions but the last): unpacking then broadcasts along
+    the columns, which XLA:CPU vectorizes inside the consumer's fusion. Packing consecutive
+    values instead made every fusion that unpacked a mask about 4x slower (ViT-B/16 profile).
     """
-    flat = tf.reshape(tf.cast(mask, tf.uint8), [-1])
-    flat = tf.pad(flat, [[0, -flat.shape[0] % 8]])
-    return tf.reduce_sum(tf.reshape(flat, [-1, 8]) * tf.constant(_BIT_VALUES, tf.uint8), axis=1)
+    rows, columns = _as_rows(mask.shape)
+    matrix = tf.reshape(tf.cast(mask, tf.uint32), [rows, columns])
+    matrix = tf.pad(matrix, [[0, -rows % _WORD_BITS], [0, 0]])
+    bits = tf.reshape(matrix, [_WORD_BITS, -1, columns])
+    return tf.reduce_sum(bits * tf.constant(_WORD_BIT_VALUES, tf.uint32)[:, None, None], axis=0)
 
 
 def _unpack_bits(packed: tf.Tensor, shape: tf.TensorShape) -> tf.Tensor:
     """Inverse of `_pack_bits` for a mask of static `shape`."""
-    bits = tf.bitwise.bitwise_and(packed[:, None], tf.constant(_BIT_VALUES, tf.uint8)) > 0
-    return tf.reshape(tf.reshape(bits, [-1])[: shape.num_elements()], shape)
+    rows, columns = _as_rows(shape)
+    values = tf.constant(_WORD_BIT_VALUES, tf.uint32)[:, None, None]
+    bits = tf.bitwise.bitwise_and(packed[None], values) > 0
+    return tf.reshape(tf.reshape(bits, [-1, columns])[:rows], shape)
 
 
 @dataclasses.dataclass
