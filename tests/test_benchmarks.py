@@ -4,6 +4,7 @@ The full runs take many minutes and their numbers depend on the machine; here on
 checked (subprocess per setting, measuring, ratios, gradient check), on tiny models.
 """
 
+import re
 import subprocess
 import sys
 
@@ -46,3 +47,30 @@ def test_remat_policies_quick(tmp_path):
     assert 0 < float(full[3]) < 1, full
     assert float(full[7]) > 0, full
     assert float(full[8]) < 1e-5, full
+
+
+def test_profile_step_quick():
+    command = [
+        sys.executable,
+        str(REPO_DIR / "benchmarks" / "profile_step.py"),
+        "--quick",
+        "--model=stack",
+        "--settings=none,nothing_saveable",
+        "--steps=1",
+    ]
+    proc = subprocess.run(
+        command, env=child_env(), capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| operation kind | no remat ms | `nothing_saveable` ms |" in proc.stdout, proc.stdout
+    rows = {}
+    for line in proc.stdout.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3:
+            rows[cells[0]] = [float(c) for c in cells[1:] if re.fullmatch(r"[\d.]+", c)]
+    kinds = [name for name in rows if name.startswith("`")]
+    assert kinds and all(len(rows[k]) == 2 for k in kinds), proc.stdout
+    # Innermost operations only: the executable's `call` wrappers are never counted.
+    assert "`call`" not in kinds, proc.stdout
+    assert all(t > 0 for t in rows["all operations (summed over threads)"]), proc.stdout
+    assert all(t > 0 for t in rows["step wall time, profiled"]), proc.stdout
