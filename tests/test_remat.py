@@ -335,11 +335,38 @@ def test_random_masks_saved_as_bits_and_never_regenerated():
     blk = blocks[0]
     remat.checkpoint(blk, "random_masks_saveable")
     rows = remat.saved_residuals(lambda x: tf.reduce_sum(blk(x, training=True) ** 2), x)
-    # Three dropout calls of [2, 2, 8, 8], [2, 8, 16] and [2, 8, 16] values: 32 rows of 8 columns
-    # and 16 rows (padded to 32) of 16 columns, one bit each: 8 and 16 uint32 words.
+    # Three dropout calls of [2, 2, 8, 8], [2, 8, 16] and [2, 8, 16] values: 32 rows of 8 columns,
+    # and twice 16 rows, too few for a word, so 256 rows of 1 column: 8 uint32 words each.
     kept = [(r.dtype, r.bytes) for r in rows if r.dtype in ("bool", "uint8", "uint32")]
-    assert kept == [("uint32", 32), ("uint32", 64), ("uint32", 64)]
+    assert kept == [("uint32", 32)] * 3
     remat.checkpoint(blk, None)
+
+
+# (shape, bytes kept): rank 1; too few rows for a 32-bit word (one column); 33 and 40 rows
+# padded to 64.
+@pytest.mark.parametrize(
+    "shape, kept_bytes", [((5,), 4), ((3, 5, 7), 16), ((33, 2), 16), ((40, 3), 24)]
+)
+def test_kept_masks_of_any_shape_give_no_remat_gradients(shape, kept_bytes):
+    x = tf.random.normal(shape, seed=7)
+
+    def fn(x):
+        return tf.nn.experimental.stateless_dropout(tf.sin(x), 0.5, seed=[1, 2]) * x
+
+    wrapped = remat.checkpoint(fn, "random_masks_saveable")
+    rows = remat.saved_residuals(lambda x: tf.reduce_sum(wrapped(x)), x)
+    assert [r.bytes for r in rows if r.dtype == "uint32"] == [kept_bytes]
+
+    def grad(f):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(f(x) ** 2)
+        return tape.gradient(loss, x)
+
+    for jit_compile in (False, True):
+        got = tf.function(lambda: grad(wrapped), jit_compile=jit_compile)()
+        want = tf.function(lambda: grad(fn), jit_compile=jit_compile)()
+        assert rel_err(got, want) < TOL
 
 
 def test_full_remat_holds_one_regions_random_bits_at_a_time():

@@ -148,9 +148,14 @@ def _packable(t: tf.Tensor) -> bool:
 
 
 def _as_rows(shape: tf.TensorShape) -> tuple[int, int]:
-    """`shape` seen as a matrix: (rows, columns) with the last dimension as the columns."""
+    """A non-empty `shape` seen as a matrix (rows, columns) for `_pack_bits`.
+
+    The columns are the last dimension, unless that leaves fewer rows than a word has bits: then
+    padding to 32 rows would cost more than the values, and one column is used instead.
+    """
     columns = shape[-1] if shape.rank >= 2 else 1
-    return shape.num_elements() // max(columns, 1), columns
+    rows = shape.num_elements() // columns
+    return (rows, columns) if rows >= _WORD_BITS else (shape.num_elements(), 1)
 
 
 def _pack_bits(mask: tf.Tensor) -> tf.Tensor:
@@ -159,9 +164,10 @@ def _pack_bits(mask: tf.Tensor) -> tf.Tensor:
     Saved as is, XLA fuses the comparison that made the mask into each consumer and keeps the
     4-byte random bits it compared instead; the reduction here is not fused into two places, so
     one bit per value is all that stays alive until the backward pass. A word holds the values
-    of 32 rows at one column (rows: all dimensions but the last): unpacking then broadcasts along
-    the columns, which XLA:CPU vectorizes inside the consumer's fusion. Packing consecutive
-    values instead made every fusion that unpacked a mask about 4x slower (ViT-B/16 profile).
+    of 32 rows at one column (rows: all dimensions but the last), so that unpacking, fused into
+    each consumer, is a broadcast along contiguous columns. With 8 consecutive values per byte
+    instead, ViT-B/16's GELU-gradient fusions ran 3.7x slower than without remat (2.5x faster
+    now; `benchmarks/profile_step.py`).
     """
     rows, columns = _as_rows(mask.shape)
     matrix = tf.reshape(tf.cast(mask, tf.uint32), [rows, columns])
