@@ -38,10 +38,9 @@ def _leaf_events(space: xplane_pb2.XSpace, names: set[str]) -> list[tuple[str, f
     for plane in space.planes:
         metadata = {key: value.name for key, value in plane.event_metadata.items()}
         for line in plane.lines:
+            named = ((e, metadata.get(e.metadata_id, "")) for e in line.events)
             events = sorted(
-                (e.offset_ps, e.offset_ps + e.duration_ps, metadata.get(e.metadata_id, ""))
-                for e in line.events
-                if metadata.get(e.metadata_id, "") in names
+                (e.offset_ps, e.offset_ps + e.duration_ps, n) for e, n in named if n in names
             )
             for i, (start, end, name) in enumerate(events):
                 if i + 1 == len(events) or events[i + 1][0] >= end:
@@ -105,6 +104,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=20, help="operation kinds to list")
     parser.add_argument("--quick", action="store_true", help="tiny models, for a smoke test")
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
     settings = args.settings.split(",")
     for setting in settings:
         if setting not in remat_policies.SETTINGS:

@@ -413,6 +413,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny models, for a smoke test")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.steps is not None and args.steps < 1:
+        parser.error("--steps must be at least 1")
     steps = args.steps or (2 if args.quick else 5)
     if args.child:
         model_name, setting = args.child.split(":")

@@ -358,11 +358,10 @@ class Region:
             return None
         if entry.saved is not None:
             with graph.as_default(), record.stop_recording():
+                kept = [self._with_dep(_in_graph(saved, graph)) for saved in entry.saved]
                 return tuple(
-                    _unpack_bits(self._with_dep(_in_graph(saved, graph)), t.shape)
-                    if _packable(t)
-                    else self._with_dep(_in_graph(saved, graph))
-                    for saved, t in zip(entry.saved, outputs, strict=True)
+                    _unpack_bits(k, t.shape) if _packable(t) else k
+                    for k, t in zip(kept, outputs, strict=True)
                 )
         return None
 
