@@ -9,7 +9,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["framework", "framework.*"]),
     install_requires=[
-        # Versions measured to work together here (DESIGN.md); TF 2.21 no longer pulls TensorBoard.
+        # Versions measured to work together; TF 2.21 no longer pulls TensorBoard.
         "tensorflow==2.21.*",
         "tensorflow-text==2.21.*",
         "tensorboard>=2.20",

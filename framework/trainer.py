@@ -2,7 +2,8 @@
 
 The same program runs on one CPU, on N logical CPUs, on a multi-GPU host and (with the strategy set)
 on a TPU pod. Per replica, the forward and backward pass are one XLA program (`jit_compile=True`),
-traced inside `strategy.run` so each replica compiles against its own variables (DESIGN.md, fact 8).
+traced inside `strategy.run` so each replica compiles against its own variables (one trace shared by
+the replicas reads replica 0's variables from the other devices, and fails).
 Gradients are then summed across replicas once, clipped by their global norm and applied. A host
 loop runs `steps_per_loop` steps in one `tf.function` over `tf.range`, so Python is entered once per
 loop.

@@ -1,6 +1,6 @@
 """framework.remat checks that need a fresh process: allocator memory, leaks, MirroredStrategy.
 
-The BFC allocator statistics (DESIGN fact 1) and logical CPU devices (fact 7) must be configured
+The BFC allocator statistics and logical CPU devices must be configured
 before TensorFlow initialises, which pytest's shared process has already done. Each test runs this
 file as a script with a scenario name; the scenario prints one JSON line that the test checks.
 """

@@ -137,8 +137,10 @@ def test_remat_policy_trains_exactly_like_no_remat_with_dropout(tmp_path, policy
     remat = make_trainer(tmp_path / policy, train_steps=5, model_fn=model_fn, remat_policy=policy)
     assert len(framework_remat.checkpointed_layers(remat.model)) == 2
     remat.train()
+    # Equal up to float rounding, which Adam amplifies for gradients near zero (up to 2e-6 here);
+    # a different dropout mask moves most weights by about the learning rate (3e-3) per step.
     for a, b in zip(plain.model.trainable_variables, remat.model.trainable_variables):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5)
 
 
 def test_unknown_remat_policy_lists_the_choices(tmp_path):

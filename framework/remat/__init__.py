@@ -15,14 +15,21 @@ from framework.remat import policies
 from framework.remat.checkpoint import checkpoint, checkpoint_name, is_checkpointed
 from framework.remat.keras_model import checkpointed_layers, set_grad_checkpointing
 from framework.remat.policies import OpInfo, get_policy, policy_names
-from framework.remat.replay import RecomputationMismatchError, UnreplayableRandomOpError
+from framework.remat.replay import (
+    RecomputationMismatchError,
+    RematError,
+    UnreplayableRandomOpError,
+    UnsupportedRegionError,
+)
 from framework.remat.residuals import Residual, print_saved_residuals, saved_residuals
 
 __all__ = [
     "OpInfo",
     "RecomputationMismatchError",
+    "RematError",
     "Residual",
     "UnreplayableRandomOpError",
+    "UnsupportedRegionError",
     "checkpoint",
     "checkpoint_name",
     "checkpointed_layers",

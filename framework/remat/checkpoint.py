@@ -1,33 +1,45 @@
 """`checkpoint(fn_or_layer, policy)`: run a function or Keras layer as a rematerialized region.
 
-Built the way `tf.recompute_grad` is - a `tf.custom_gradient` whose gradient function rebuilds the
-region under its own tape - with what it lacks:
+How a call works (see docs/remat.md, "How it works"):
 
-* any signature: arguments and results are flattened (nested structures, keyword arguments,
-  non-tensor values closed over), so `tf.function` sees only tensors;
-* policies and exact replay through `replay.Region` (saved values, random seeds, variable writes,
-  determinism check);
-* eager mode: op callbacks can only replace outputs while a graph is built, so an eager call runs
-  the region through a `tf.function` of its own (traced once per input signature).
+1. The region is traced into a function graph of its own, with op callbacks recording its top
+   level (`replay.Region`). Tracing first makes everything the region depends on explicit: the
+   tensors it closes over are the function's captured inputs, and the variables it writes are
+   found in the graph, nested functions included (`effects.find_effects`).
+2. Snapshots of the written variables are read, then the function is called. Its extra outputs
+   are the values the policy keeps. A `tf.custom_gradient` over the inputs *and* the closed-over
+   tensors attaches the gradient function, so closures get their gradients.
+3. The gradient function puts the snapshots back, rebuilds the region inline under a tape of its
+   own (replaying kept values, checking that it builds the same ops), differentiates it, and
+   puts the variables back as the rest of the step left them.
 
 The recomputation starts from the inputs plus a zero derived from the upstream gradient (as in
 `tf.recompute_grad`): a data dependency, which XLA cannot ignore, so it cannot hoist the
-recomputation into the forward pass or merge it with the original computation.
+recomputation into the forward pass or merge it with the original computation. In eager mode
+the whole call is traced into a `tf.function` first (op callbacks can only replace outputs while
+a graph is built).
 """
 
 from __future__ import annotations
 
-import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import keras
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2
-from tensorflow.python.eager import context, record
 
+from framework import tf_internals
+from framework.remat.effects import find_effects
 from framework.remat.policies import Policy, everything_saveable, get_policy
-from framework.remat.replay import Region, in_region, tagging
+from framework.remat.replay import (
+    Region,
+    StateOrder,
+    UnreplayableRandomOpError,
+    in_graph,
+    in_region,
+    tagging,
+)
 
 T = TypeVar("T")
 TAG_ATTR = "_remat_checkpoint_name"
@@ -42,8 +54,8 @@ def checkpoint_name(x: T, name: str) -> T:
     def tag(t):
         with tagging(name):
             out = tf.identity(t)
-        if not context.executing_eagerly():
-            out.op._set_attr(TAG_ATTR, attr_value_pb2.AttrValue(s=name.encode()))
+        if not tf_internals.executing_eagerly():
+            tf_internals.set_string_attr(out.op, TAG_ATTR, name)
         return out
 
     return tf.nest.map_structure(tag, x)
@@ -53,123 +65,243 @@ def _is_tensor(x: Any) -> bool:
     return isinstance(x, tf.Tensor)
 
 
-def _dependency(tensors: list) -> tf.Tensor:
-    """A float32 zero that cannot be computed before `tensors` exist (NaN-safe, reads 1 element)."""
-    for t in tensors:
-        if t is not None and (t.dtype.is_floating or t.dtype.is_complex):
-            elem = tf.reduce_max(tf.math.real(tf.reshape(t, [-1])[:1]))
-            elem_bool = tf.cast(elem, tf.bool)
-            return tf.where(tf.equal(elem_bool, elem_bool), 0.0, float("nan"))
-    return tf.constant(0.0)
-
-
-def _offset(t: tf.Tensor, dep: tf.Tensor) -> tf.Tensor:
-    t = tf.identity(t)
-    if t.dtype.is_floating or t.dtype.is_complex:
-        return t + tf.cast(dep, t.dtype)
-    return t
-
-
 def _differentiable(t: Any) -> bool:
     return t is not None and (t.dtype.is_floating or t.dtype.is_complex)
 
 
+def _dependency(tensors: list) -> tf.Tensor:
+    """A float32 zero that cannot be computed before `tensors` exist (NaN-safe, reads 1 element
+    of each of the first two floating-point tensors)."""
+    zero = tf.constant(0.0)
+    used = 0
+    for t in tensors:
+        if _differentiable(t) and used < 2:
+            elem = tf.reduce_max(tf.math.real(tf.reshape(t, [-1])[:1]))
+            elem_bool = tf.cast(elem, tf.bool)
+            zero = zero + tf.where(tf.equal(elem_bool, elem_bool), 0.0, float("nan"))
+            used += 1
+    return zero
+
+
+def _offset(t: tf.Tensor, dep: tf.Tensor) -> tf.Tensor:
+    t = tf.identity(t)
+    if _differentiable(t):
+        return t + tf.cast(dep, t.dtype)
+    return t
+
+
+def _signature(args: tuple, kwargs: dict, flat: list) -> tuple | None:
+    """A hashable key for an eager call: its structure, tensor shapes and dtypes, the other
+    values as they are (None when one of them cannot be hashed: such calls are traced every
+    time)."""
+
+    def leaf(x):
+        if _is_tensor(x):
+            return (tuple(x.shape), x.dtype)
+        if isinstance(x, tf.Variable):
+            return (type(x), x.ref())
+        return (type(x), x)
+
+    structure = repr(tf.nest.map_structure(lambda _: None, (args, kwargs)))
+    key = (structure, tuple(leaf(x) for x in flat))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+class _Layout:
+    """The structure of a region's results: where its tensors go among the other values."""
+
+    def __init__(self, out: Any):
+        self.structure = out
+        self.flat = tf.nest.flatten(out, expand_composites=True)
+        self.positions = [i for i, x in enumerate(self.flat) if _is_tensor(x)]
+
+    def tensors(self) -> list[tf.Tensor]:
+        return [self.flat[i] for i in self.positions]
+
+    def pack(self, tensors: list[tf.Tensor]) -> Any:
+        flat = list(self.flat)
+        for i, t in zip(self.positions, tensors):
+            flat[i] = t
+        return tf.nest.pack_sequence_as(self.structure, flat, expand_composites=True)
+
+
 class Checkpointed:
-    """A callable running `fn` as a checkpointed region with `policy`; same signature as `fn`."""
+    """A callable running `fn` as a checkpointed region with `policy`; same signature as `fn`.
+
+    It keeps `fn`'s name and signature but deliberately has no `__wrapped__`: `tf.function` and
+    `inspect.unwrap` follow that attribute to the plain function and would silently skip remat.
+    """
 
     def __init__(self, fn: Callable, policy: str | Policy | None = "nothing_saveable"):
         self.fn = fn
         self.policy = get_policy(policy)
         self.label = getattr(fn, "__qualname__", None) or type(fn).__name__
-        self._eager_fn = tf.function(self._traced_call, autograph=False)
-        self._eager_layouts: dict[str, tuple] = {}
-        functools.update_wrapper(self, fn, updated=())
+        for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+            if hasattr(fn, attr):
+                setattr(self, attr, getattr(fn, attr))
+        try:
+            self.__signature__ = inspect.signature(fn)
+        except (TypeError, ValueError):
+            pass
+        # Eager calls: one traced function per input signature, as `tf.function` keeps them
+        # (a new function per call would also keep its kernels' constants alive for good).
+        self._traced: dict = {}
 
+    @tf.autograph.experimental.do_not_convert
     def __call__(self, *args, **kwargs):
         if self.policy is everything_saveable:
             return self.fn(*args, **kwargs)
-        if not record.could_possibly_record() and not in_region():
+        if not tf_internals.tape_is_active() and not in_region():
             return self.fn(*args, **kwargs)
-        if context.executing_eagerly():
-            return self._eager_call(*args, **kwargs)
-        return self._graph_call(*args, **kwargs)
-
-    def _traced_call(self, *args, **kwargs):
-        """Body of the eager-mode `tf.function`: returns tensors only, keeps the rest aside."""
-        out = self._graph_call(*args, **kwargs)
-        flat = tf.nest.flatten(out, expand_composites=True)
+        flat = tf.nest.flatten((args, kwargs))
         positions = [i for i, x in enumerate(flat) if _is_tensor(x)]
-        graph_name = tf.compat.v1.get_default_graph().name
-        self._eager_layouts[graph_name] = (out, flat, positions)
-        return [flat[i] for i in positions]
+        fn = tf_internals.autograph_like_caller(self.fn)
 
-    def _eager_call(self, *args, **kwargs):
-        concrete = self._eager_fn.get_concrete_function(*args, **kwargs)
-        tensors = concrete(*args, **kwargs)
-        structure, flat, positions = self._eager_layouts[concrete.graph.name]
-        flat = list(flat)
-        for i, t in zip(positions, tensors, strict=False):
-            flat[i] = t
-        return tf.nest.pack_sequence_as(structure, flat, expand_composites=True)
-
-    def _graph_call(self, *args, **kwargs):
-        flat_in = tf.nest.flatten((args, kwargs), expand_composites=True)
-        positions = [i for i, x in enumerate(flat_in) if _is_tensor(x)]
-        fn, policy, label = self.fn, self.policy, self.label
-        layout: dict[str, Any] = {}
-
-        def call_with(tensors):
-            full = list(flat_in)
-            for i, t in zip(positions, tensors, strict=False):
+        def call(tensors):
+            full = list(flat)
+            for i, t in zip(positions, tensors):
                 full[i] = t
-            a, kw = tf.nest.pack_sequence_as((args, kwargs), full, expand_composites=True)
+            a, kw = tf.nest.pack_sequence_as((args, kwargs), full)
             return fn(*a, **kw)
 
-        def split_outputs(out):
-            flat_out = tf.nest.flatten(out, expand_composites=True)
-            return flat_out, [i for i, x in enumerate(flat_out) if _is_tensor(x)]
+        tensors = [flat[i] for i in positions]
+        if not tf_internals.executing_eagerly():
+            return self._region(call, tensors)
+        key = _signature(args, kwargs, flat)
+        if key not in self._traced:
+            layouts: list[_Layout] = []
+
+            def traced(*inputs):
+                layouts.append(_Layout(self._region(call, list(inputs))))
+                return layouts[-1].tensors()
+
+            function = tf_internals.trace_function(traced, *tensors)
+            entry = (function, layouts[-1])
+            # Tensors the region closes over were captured by value: trace again next time.
+            if key is None or any(c.dtype != tf.resource for c in function.captured_inputs):
+                return entry[1].pack(function(*tensors))
+            self._traced[key] = entry
+        function, layout = self._traced[key]
+        return layout.pack(function(*tensors))
+
+    def _region(self, call: Callable, tensors: list[tf.Tensor]):
+        """One call of the region in graph mode: traced forward function, gradient attached."""
+        region = Region(self.policy, self.label)
+        layouts: list[_Layout] = []
+
+        def forward(*inputs):
+            dep = _dependency(list(inputs))
+            with region.recording(dep):
+                layouts.append(_Layout(call(list(inputs))))
+            return layouts[-1].tensors() + region.saved()
+
+        function = tf_internals.trace_function(forward, *tensors)
+        layout = layouts[-1]
+        effects = find_effects(function.graph)
+        if effects.stateful_random_ops:
+            raise UnreplayableRandomOpError(
+                f"Remat region {self.label!r} contains stateful random ops "
+                f"({', '.join(effects.stateful_random_ops)}); their recomputation would draw "
+                "different numbers and give wrong gradients. Use stateless randomness instead: "
+                "keras.random / keras.layers.Dropout with a SeedGenerator, "
+                "tf.random.stateless_*, or tf.random.Generator."
+            )
+        graph = tf.compat.v1.get_default_graph()
+        # Captured eager tensors (closures, variable handles) as this graph sees them.
+        closures = [in_graph(c, graph) for c in function.captured_inputs if _differentiable(c)]
+        with tf_internals.stop_recording():
+            snapshots = [_read(graph, in_graph(w.handle, graph), w.dtype) for w in effects.writes]
+        n_out = len(layout.positions)
+
+        def run() -> list[tf.Tensor]:
+            with tf.control_dependencies(snapshots):
+                results = function(*tensors)
+            region.keep(results[n_out:])
+            return results[:n_out]
+
+        if not n_out:
+            run()
+            return layout.pack([])
 
         @tf.custom_gradient
-        def region(*tensors):
-            rec = Region(policy, label)
-            with rec.recording(_dependency(list(tensors))), record.stop_recording():
-                out = call_with(tensors)
-            flat_out, out_positions = split_outputs(out)
-            layout.update(structure=out, flat=flat_out, positions=out_positions)
+        def attach(*differentiable):
+            outputs = run()
 
-            def grad_fn(*dresult, variables=None):
-                dep = _dependency(list(dresult))
+            def grad_fn(*dy, variables=None):
                 variables = list(variables or [])
-                with tf.GradientTape() as tape:
-                    inputs = [_offset(t, dep) for t in tensors]
-                    tape.watch([t for t in inputs if _differentiable(t)])
-                    tape.watch(variables)
-                    with rec.replaying(dep):
-                        again = call_with(inputs)
-                flat_again, _ = split_outputs(again)
-                targets, upstream = [], []
-                for i, g in zip(out_positions, dresult, strict=False):
-                    if g is not None and _differentiable(flat_again[i]):
-                        targets.append(flat_again[i])
-                        upstream.append(g)
-                sources = [t for t in inputs if _differentiable(t)]
-                grads = tape.gradient(
-                    targets,
-                    sources + variables,
-                    output_gradients=upstream,
-                    unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                grads = self._backward(
+                    region, call, tensors, closures, effects, snapshots, dy, variables
                 )
-                grads_in = iter(grads[: len(sources)])
-                input_grads = [next(grads_in) if _differentiable(t) else None for t in inputs]
-                return input_grads, grads[len(sources) :]
+                return grads[: len(tensors) + len(closures)], grads[len(tensors) + len(closures) :]
 
-            return [flat_out[i] for i in out_positions], grad_fn
+            return outputs, grad_fn
 
-        results = region(*[flat_in[i] for i in positions])
-        flat_out = list(layout["flat"])
-        for i, t in zip(layout["positions"], results, strict=False):
-            flat_out[i] = t
-        return tf.nest.pack_sequence_as(layout["structure"], flat_out, expand_composites=True)
+        return layout.pack(attach(*tensors, *closures))
+
+    def _backward(self, region, call, tensors, closures, effects, snapshots, dy, variables):
+        """Gradients for tensors + closures + variables, from a recomputation of the region."""
+        graph = tf.compat.v1.get_default_graph()
+        dep = _dependency(list(dy) + list(tensors) + list(closures))
+        # Closed-over tensors and variable handles, as the region's own code sees them from here:
+        # it refers to the outermost tensor (an eager handle, say), not to a capture of a capture.
+        handles = [in_graph(tf_internals.outermost(w.handle), graph) for w in effects.writes]
+        with tf_internals.stop_recording():
+            current = [_read(graph, h, w.dtype) for h, w in zip(handles, effects.writes)]
+            for h, s in zip(handles, snapshots):
+                _assign(graph, h, in_graph(s, graph))
+        inputs = [_offset(t, dep) for t in tensors]
+        # Closed-over tensors are differentiated as the region's code refers to them: the outermost
+        # tensor, seen from this graph; an eager tensor as itself (the tape then also follows the
+        # function calls that captured it directly).
+        outer = [tf_internals.outermost(c) for c in closures]
+        closures = [o if not tf.is_symbolic_tensor(o) else in_graph(o, graph) for o in outer]
+        with tf.GradientTape() as tape:
+            sources = [t for t in inputs if _differentiable(t)]
+            sources += closures + variables
+            tape.watch(sources)
+            with region.replaying(dep, handles):
+                layout = _Layout(call(inputs))
+        targets, upstream = [], []
+        for t, g in zip(layout.tensors(), dy):
+            if g is not None and _differentiable(t):
+                targets.append(t)
+                upstream.append(g)
+        grads = iter(
+            tape.gradient(
+                targets,
+                sources,
+                output_gradients=upstream,
+                unconnected_gradients=tf.UnconnectedGradients.NONE,
+            )
+        )
+        flat = [next(grads) if _differentiable(t) else None for t in inputs]
+        flat += list(grads)
+        with tf_internals.stop_recording():
+            finals = [_assign(graph, h, c) for h, c in zip(handles, current)]
+        if finals:
+            with tf.control_dependencies(finals):
+                flat = [None if g is None else _identity(g) for g in flat]
+        return flat
+
+
+def _identity(gradient):
+    return tf.nest.map_structure(tf.identity, gradient, expand_composites=True)
+
+
+def _read(graph: tf.Graph, handle: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    value = tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype)
+    StateOrder.chain(graph, handle, [value.op])
+    return value
+
+
+def _assign(graph: tf.Graph, handle: tf.Tensor, value: tf.Tensor) -> tf.Operation:
+    op = tf.raw_ops.AssignVariableOp(resource=handle, value=value)
+    StateOrder.chain(graph, handle, [op])
+    return op
 
 
 def _checkpoint_layer(layer: keras.layers.Layer, policy: str | Policy | None):

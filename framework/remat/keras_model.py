@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 
 import keras
 
+from framework import tf_internals
 from framework.remat.checkpoint import checkpoint, is_checkpointed, unwrap_layer
 from framework.remat.policies import Policy, get_policy
 
@@ -20,11 +21,11 @@ LayerSelector = None | str | type | Iterable[str | type] | Callable[[keras.Layer
 
 
 def _children(layer: keras.Layer) -> list[keras.Layer]:
-    return list(layer._flatten_layers(include_self=False, recursive=False))
+    return tf_internals.flatten_layers(layer, recursive=False)
 
 
 def _all_layers(model: keras.Layer) -> list[keras.Layer]:
-    return list(model._flatten_layers(include_self=False, recursive=True))
+    return tf_internals.flatten_layers(model, recursive=True)
 
 
 def _top_most(model: keras.Layer, chosen: Callable[[keras.Layer], bool]) -> list[keras.Layer]:

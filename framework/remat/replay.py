@@ -1,22 +1,29 @@
-"""Record the forward pass of a checkpointed region, replay it in the recomputation.
+"""Record a region's forward pass, replay it in the recomputation.
 
-TensorFlow lets an op callback (`op_callbacks.add_op_callback`) see every op created while a graph
-is built, and return replacement outputs for it. A region uses that twice:
+TensorFlow calls an op callback for every op created while a graph is built, and lets it return
+replacement outputs. One callback per thread dispatches each op to the active regions:
 
-* recording (forward pass): for each op it notes type, shapes and dtypes, keeps the outputs the
-  policy saves, the seeds fed to stateless random ops, and the values written to variables;
-* replaying (recomputation): op number i must match recorded op number i (type, shapes, dtypes,
-  else `RecomputationMismatchError`, the determinism check); saved outputs replace the recomputed
-  ones so the recomputed op is pruned; random ops get the forward seeds back (same dropout mask);
-  variable writes rewrite the forward value instead of advancing state a second time.
+* recording (the forward pass, traced into a function graph of its own): each op of the region's
+  top level is noted (type, shapes, dtypes, `checkpoint_name` tag); the outputs the policy keeps
+  become extra outputs of the function;
+* replaying (the recomputation, built inline under a gradient tape): op number i of the top level
+  must match recorded op number i (else `RecomputationMismatchError`, the determinism check); kept
+  outputs replace the recomputed ones, so the recomputed op loses its consumers and is pruned
+  while the tape still differentiates it.
 
-Substituted values are offset by a zero computed from the upstream gradient: without that data
-dependency the recomputed elementwise work downstream of a saved value could be scheduled in the
-forward pass (XLA ignores control dependencies), and nothing would be saved.
+Only the computing ops of the top level are numbered. Ops inside `tf.cond`/`tf.while_loop` bodies
+and `tf.function`s the region calls belong to their control-flow or call op, which is recomputed
+as one unit and never kept. Untagged identities, ops with only variant outputs and the call ops
+themselves are not numbered either: TensorFlow adds such plumbing around control flow when more
+than one tape watches it (as in a second-order gradient), so the forward pass and the
+recomputation differ there without computing anything different. Ops of a nested checkpoint
+belong to that checkpoint.
 
-A region's state lives in its own object; callbacks are thread-local in TensorFlow and the callback
-also checks the thread it was registered from, so replicas traced concurrently under
-`MirroredStrategy` never see each other's regions.
+Stateless random ops - at the top level and in control-flow bodies - get their seeds offset by a
+zero tied to the pass: to the region's inputs in the forward pass (else XLA draws every region's
+random bits at the start of the step and keeps them alive), to the upstream gradient in the
+recomputation (else XLA merges the recomputed draw with the forward one). The values of the seeds
+themselves come back through the variable snapshots taken by `checkpoint` (see effects.py).
 """
 
 from __future__ import annotations
@@ -24,16 +31,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import weakref
 from collections.abc import Iterator
 
 import tensorflow as tf
-from tensorflow.python.eager import record
-from tensorflow.python.framework import op_callbacks
 
+from framework import tf_internals
 from framework.remat.policies import OpInfo, Policy
 
 _IGNORED_OPS = frozenset({"Placeholder", "Const", "NoOp"})
-_CONTROL_FLOW_OPS = frozenset(
+_CALL_OPS = frozenset(
     {
         "If",
         "StatelessIf",
@@ -45,62 +52,42 @@ _CONTROL_FLOW_OPS = frozenset(
         "StatefulPartitionedCall",
     }
 )
-_NEVER_SAVED = _CONTROL_FLOW_OPS | {"ReadVariableOp", "VarHandleOp", "IdentityN"}
-_SEED_ARGS = frozenset({"seed", "key", "counter", "alg"})
-_STATEFUL_RANDOM_OPS = frozenset(
-    {
-        "RandomUniform",
-        "RandomUniformInt",
-        "RandomStandardNormal",
-        "TruncatedNormal",
-        "ParameterizedTruncatedNormal",
-        "RandomShuffle",
-        "RandomCrop",
-        "Multinomial",
-        "RandomGamma",
-        "RandomPoisson",
-        "RandomPoissonV2",
-        "RandomBinomial",
-        "StatefulRandomBinomial",
-        "StatefulUniform",
-        "StatefulUniformInt",
-        "StatefulUniformFullInt",
-        "StatefulStandardNormal",
-        "StatefulStandardNormalV2",
-        "StatefulTruncatedNormal",
-        "NonDeterministicInts",
-    }
-)
-# Variable writes and the input that replay neutralises so state advances once per step: absolute
-# writes get the value just read from the same variable in the recomputation (read-modify-write, as
-# Keras' SeedGenerator and BatchNormalization do), relative writes and skips get zero.
-_WRITE_OPS = {
-    "AssignVariableOp": (1, True),
-    "AssignAddVariableOp": (1, False),
-    "AssignSubVariableOp": (1, False),
-    "RngReadAndSkip": (2, False),
-    "RngSkip": (2, False),
-}
+_NEVER_SAVED = frozenset({"ReadVariableOp", "VarHandleOp", "IdentityN"})
+_SEED_ARGS = frozenset({"seed", "key", "counter"})
 
 
-class RecomputationMismatchError(RuntimeError):
+class RematError(Exception):
+    """Base class of the errors a checkpointed region raises instead of a wrong gradient.
+
+    Built on `Exception` itself so that AutoGraph re-raises it as the same class from inside a
+    `tf.function` (it turns other classes into `StagingError`).
+    """
+
+
+class RecomputationMismatchError(RematError):
     """The recomputation of a region created different ops than its forward pass."""
 
 
-class UnreplayableRandomOpError(RuntimeError):
+class UnreplayableRandomOpError(RematError):
     """A stateful random op inside a region: its recomputation would draw different numbers."""
+
+
+class UnsupportedRegionError(RematError):
+    """A construct a checkpointed region cannot rematerialize correctly (see the message)."""
 
 
 _local = threading.local()
 
 
-def _active_depth() -> int:
-    return getattr(_local, "depth", 0)
+def _stack() -> list[Region]:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
 
 
 def in_region() -> bool:
     """True while this thread records or replays a region (nested checkpoints must stay active)."""
-    return _active_depth() > 0
+    return bool(_stack())
 
 
 def pending_tag() -> str | None:
@@ -119,8 +106,8 @@ def tagging(name: str) -> Iterator[None]:
 
 
 def _is_random_op(op_type: str) -> bool:
-    """Stateless random ops (`StatelessRandomUniformV2`, ...): the ones whose seeds are replayed."""
-    return op_type.startswith("Stateless") and op_type not in _CONTROL_FLOW_OPS
+    """Stateless random ops (`StatelessRandomUniformV2`, ...): their seeds are tied to the pass."""
+    return op_type.startswith("Stateless") and op_type not in _CALL_OPS
 
 
 def _shape(t: tf.Tensor) -> tuple[int | None, ...]:
@@ -133,10 +120,20 @@ def _describe(info: OpInfo) -> str:
     return f"{info.op_type}{tag} -> ({outs})"
 
 
-def _in_graph(t: tf.Tensor, graph: tf.Graph) -> tf.Tensor:
-    if t.graph is graph:
+def in_graph(t: tf.Tensor, graph: tf.Graph) -> tf.Tensor:
+    """`t` as seen from `graph`: itself, or the placeholder through which `graph` captures it."""
+    if getattr(t, "graph", None) is graph:
         return t
     return graph.capture(t)
+
+
+def with_dep(t: tf.Tensor, dep: tf.Tensor) -> tf.Tensor:
+    """`t` plus a zero: the same value, but not computable before `dep` exists."""
+    if t.dtype == tf.bool:
+        return tf.logical_or(t, tf.cast(dep, tf.bool))
+    if t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex:
+        return t + tf.cast(dep, t.dtype)
+    return t
 
 
 _WORD_BITS = 32
@@ -184,12 +181,64 @@ def _unpack_bits(packed: tf.Tensor, shape: tf.TensorShape) -> tf.Tensor:
     return tf.reshape(tf.reshape(bits, [-1, columns])[:rows], shape)
 
 
+class StateOrder:
+    """Runs the ops that touch one variable in the order they were created, in any graph.
+
+    `tf.function` graphs order such ops by themselves; the backward graphs TensorFlow builds for
+    an eager call do not, and there a region's snapshot restore, its recomputation's reads and
+    writes and the final restore must not interleave with a nested region's. Edges only ever go
+    from an earlier-created op to a later one, as `tf.function`'s own, so they cannot make a cycle.
+    """
+
+    _last: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def last(cls, graph: tf.Graph, handle: tf.Tensor) -> tf.Operation | None:
+        return cls._last.get(graph, {}).get(handle.ref())
+
+    @classmethod
+    def chain(
+        cls, graph: tf.Graph, handle: tf.Tensor, ops: list, after: tf.Operation | None = None
+    ) -> None:
+        """Orders `ops` (in creation order) one after the other, the first after `after` (by
+        default the last op ordered so far)."""
+        previous = cls.last(graph, handle) if after is None else after
+        for op in ops:
+            if previous is not None and previous is not op:
+                tf_internals.add_control_input(op, previous)
+            previous = op
+        if previous is not None:
+            current = cls.last(graph, handle)
+            if current is None or (
+                tf_internals.creation_index(current) <= tf_internals.creation_index(previous)
+            ):
+                cls._last.setdefault(graph, {})[handle.ref()] = previous
+
+
+KEPT_ATTR = "_remat_kept"  # on the identity of each kept value: what it was (for the report)
+
+
 @dataclasses.dataclass
 class _Entry:
     info: OpInfo
-    saved: tuple[tf.Tensor, ...] | None = None
-    seeds: dict[int, tf.Tensor] | None = None
-    written: tf.Tensor | None = None
+    origin: str = ""
+    saved: tuple[tf.Tensor, ...] | None = None  # inside the forward function
+    kept: tuple[tf.Tensor, ...] | None = None  # the same values, outputs of the forward call
+
+
+def _dispatch(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+    stack = _stack()
+    if not stack or graph is None or op_type in _IGNORED_OPS:
+        return None
+    op = graph.get_operation_by_name(op_name)
+    if outputs is None:  # a callback registered before ours returned nothing
+        outputs = op.outputs
+    for region in reversed(stack):
+        if graph is region.graph:
+            return region.top_level_op(op, attrs, outputs)
+    if stack[-1].owns(graph) and _is_random_op(op_type):
+        stack[-1].tie_seeds(op)
+    return None
 
 
 class Region:
@@ -199,47 +248,71 @@ class Region:
         self.policy = policy
         self.label = label
         self.entries: list[_Entry] = []
+        self.graph: tf.Graph | None = None  # top level of the pass being built
         self._mode: str | None = None
         self._cursor = 0
         self._dep: tf.Tensor | None = None
-        self._last_read: dict = {}
         self._random: set = set()  # tensors computed from random bits and constants alone
         self._constant: set = set()  # tensors computed from constants alone
-        self._thread = threading.get_ident()
 
     @contextlib.contextmanager
-    def _active(self, mode: str) -> Iterator[None]:
-        self._thread = threading.get_ident()
-        self._mode = mode
-        _local.depth = _active_depth() + 1
-        op_callbacks.add_op_callback(self._callback)
+    def _active(self, mode: str, dep: tf.Tensor) -> Iterator[None]:
+        stack = _stack()
+        self.graph = tf.compat.v1.get_default_graph()
+        self._mode, self._dep = mode, dep
+        if not stack:
+            tf_internals.add_op_callback(_dispatch)
+        stack.append(self)
         try:
             yield
         finally:
-            op_callbacks.remove_op_callback(self._callback)
-            _local.depth = _active_depth() - 1
+            stack.remove(self)
+            if not stack:
+                tf_internals.remove_op_callback(_dispatch)
             self._mode = None
 
     def recording(self, dep: tf.Tensor) -> contextlib.AbstractContextManager:
-        """Context in which the forward pass is built; `dep` is a zero tied to the region's inputs.
-
-        Random ops get their seeds offset by `dep`: with seeds known at the start of the step, XLA
-        schedules every region's random bits first and keeps them all alive until their region
-        runs (on ViT-B/16, 350 MiB of dropout bits in a full-remat step).
-        """
+        """Context in which the forward pass is traced; `dep` is a zero tied to the inputs."""
         self.entries = []
         self._random, self._constant = set(), set()
-        self._dep = dep
-        return self._active("record")
+        return self._active("record", dep)
+
+    def saved(self) -> list[tf.Tensor]:
+        """The values the policy keeps, in op order (call inside the forward function)."""
+        return [t for e in self.entries if e.saved is not None for t in e.saved]
+
+    def keep(self, values: list[tf.Tensor]) -> None:
+        """Binds the forward call's outputs for `saved()` back to their ops (in the caller's
+        graph), each through an identity that says what it is for `saved_residuals`."""
+        values = iter(values)
+        for entry in self.entries:
+            if entry.saved is not None:
+                kept = [tf.identity(next(values)) for _ in entry.saved]
+                for k in kept:
+                    tf_internals.set_string_attr(k.op, KEPT_ATTR, entry.origin)
+                entry.kept = tuple(kept)
 
     @contextlib.contextmanager
-    def replaying(self, dep: tf.Tensor) -> Iterator[None]:
-        """Context in which the recomputation is built; `dep` is a zero tied to the gradient."""
+    def replaying(self, dep: tf.Tensor, state: list[tf.Tensor]) -> Iterator[None]:
+        """Context in which the recomputation is built inline.
+
+        Args:
+          dep: a zero tied to the upstream gradient.
+          state: handles (as the replay graph sees them) of the variables the region writes;
+            ops using them are ordered after the snapshot restore (`StateOrder`).
+        """
         self._cursor = 0
-        self._dep = dep
-        self._last_read = {}
-        with self._active("replay"):
+        graph = tf.compat.v1.get_default_graph()
+        start = len(graph.get_operations())
+        before = {h.ref(): StateOrder.last(graph, h) for h in state}
+        with self._active("replay", dep):
             yield
+        # Every op of the recomputation that uses a written variable, in creation order: call ops
+        # that reach no op callback and a nested region's snapshot reads included.
+        created = graph.get_operations()[start:] if state else []
+        for h in state:
+            users = [op for op in created if any(t is h for t in op.inputs)]
+            StateOrder.chain(graph, h, users, after=before[h.ref()])
         if self._cursor != len(self.entries):
             missing = self.entries[self._cursor].info
             raise RecomputationMismatchError(
@@ -249,35 +322,46 @@ class Region:
                 "between the forward pass and the recomputation)."
             )
 
-    def _callback(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
+    def owns(self, graph: tf.Graph) -> bool:
+        """Whether `graph` is a control-flow body built inside this region's top level."""
+        while tf_internals.is_control_flow_graph(graph):
+            graph = tf_internals.outer_graph(graph)
+            if graph is self.graph:
+                return True
+        return False
+
+    def tie_seeds(self, op: tf.Operation) -> None:
+        """Offsets the seed inputs of the stateless random op `op` by this pass's zero."""
+        with op.graph.as_default(), tf_internals.stop_recording():
+            dep = in_graph(self._dep, op.graph)
+            for position, arg in enumerate(op.op_def.input_arg):
+                if arg.name in _SEED_ARGS:  # not "alg": XLA needs it constant
+                    tf_internals.update_input(op, position, with_dep(op.inputs[position], dep))
+
+    def top_level_op(self, op: tf.Operation, attrs, outputs):
+        tag = pending_tag() if op.type == "Identity" else None
         if (
-            graph is None
-            or self._mode is None
-            or op_type in _IGNORED_OPS
-            or threading.get_ident() != self._thread
+            op.type in _CALL_OPS
+            or (op.type == "Identity" and tag is None)
+            or (outputs and all(t.dtype == tf.variant for t in outputs))
         ):
             return None
-        is_random_op = _is_random_op(op_type)
+        is_random_op = _is_random_op(op.type)
         info = OpInfo(
-            op_type=op_type,
+            op_type=op.type,
             shapes=tuple(_shape(t) for t in outputs),
             dtypes=tuple(t.dtype for t in outputs),
-            name=pending_tag() if op_type == "Identity" else None,
+            name=tag,
             attrs=tuple(attrs) if attrs else (),
-            input_shapes=tuple(_shape(t) for t in inputs),
-            random=is_random_op or self._from_random_bits(inputs),
+            input_shapes=tuple(_shape(t) for t in op.inputs),
+            random=is_random_op or self._from_random_bits(op.inputs),
         )
-        if info.op_type in _WRITE_OPS or is_random_op:
-            # An enclosing region may have rewired this op's inputs already: read them back.
-            inputs = tuple(graph.get_operation_by_name(op_name).inputs)
+        if is_random_op:
+            self.tie_seeds(op)
         if self._mode == "record":
-            if info.random:
-                self._random.update(t.ref() for t in outputs)
-            elif inputs and all(self._is_constant(t) for t in inputs):
-                self._constant.update(t.ref() for t in outputs)
-            self._record(info, inputs, outputs, op_name, graph)
+            self._record(info, op, outputs)
             return None
-        return self._replay(info, inputs, outputs, op_name, graph)
+        return self._replay(info, op, outputs)
 
     def _is_constant(self, t: tf.Tensor) -> bool:
         return t.op.type == "Const" or t.ref() in self._constant
@@ -291,33 +375,25 @@ class Region:
             r or self._is_constant(t) for r, t in zip(random, inputs, strict=True)
         )
 
-    def _record(self, info, inputs, outputs, op_name, graph) -> None:
-        if info.op_type in _STATEFUL_RANDOM_OPS:
-            raise UnreplayableRandomOpError(
-                f"Remat region {self.label!r} contains the stateful random op {info.op_type} "
-                f"({op_name}); its recomputation would draw different numbers and give wrong "
-                "gradients. Use stateless randomness instead: keras.random / keras.layers.Dropout "
-                "with a SeedGenerator, tf.random.stateless_*, or tf.random.Generator."
-            )
-        entry = _Entry(info)
-        if info.op_type in _WRITE_OPS:
-            index, absolute = _WRITE_OPS[info.op_type]
-            if absolute:
-                entry.written = inputs[index]
-        elif _is_random_op(info.op_type):
-            names = [arg.name for arg in graph.get_operation_by_name(op_name).op_def.input_arg]
-            entry.seeds = {i: inputs[i] for i, n in enumerate(names) if n in _SEED_ARGS}
-            self._tie_seeds(op_name, graph, entry.seeds)
-        elif (
+    def _record(self, info: OpInfo, op: tf.Operation, outputs) -> None:
+        if info.random:
+            self._random.update(t.ref() for t in outputs)
+        elif op.inputs and all(self._is_constant(t) for t in op.inputs):
+            self._constant.update(t.ref() for t in outputs)
+        origin = f"checkpoint_name {info.name!r}" if info.name else f"{op.type} ({op.name})"
+        entry = _Entry(info, origin)
+        if (
             outputs
             and info.op_type not in _NEVER_SAVED
+            and not _is_random_op(info.op_type)
             and all(t.dtype not in (tf.resource, tf.variant) for t in outputs)
             and self.policy(info)
         ):
-            entry.saved = tuple(_pack_bits(t) if _packable(t) else t for t in outputs)
+            with op.graph.as_default(), tf_internals.stop_recording():
+                entry.saved = tuple(_pack_bits(t) if _packable(t) else t for t in outputs)
         self.entries.append(entry)
 
-    def _replay(self, info, inputs, outputs, op_name, graph):
+    def _replay(self, info: OpInfo, op: tf.Operation, outputs):
         index = self._cursor
         if index >= len(self.entries):
             raise RecomputationMismatchError(
@@ -337,47 +413,13 @@ class Region:
                 f"op #{index}: forward built {_describe(expected)}, recomputation built "
                 f"{_describe(info)}."
             )
-        if info.op_type == "ReadVariableOp":
-            self._last_read[inputs[0].ref()] = outputs[0]
-        if info.op_type in _WRITE_OPS:
-            op = graph.get_operation_by_name(op_name)
-            position, absolute = _WRITE_OPS[info.op_type]
-            with graph.as_default(), record.stop_recording():
-                if not absolute:
-                    value = tf.zeros_like(inputs[position])
-                elif inputs[0].ref() in self._last_read:
-                    value = self._last_read[inputs[0].ref()]
-                else:
-                    value = _in_graph(entry.written, graph)
-            op._update_input(position, value)
+        if entry.kept is None:
             return None
-        if entry.seeds:
-            # The forward seeds, tied to the gradient like saved values: with the bare seeds, XLA
-            # merges the recomputed random op with the forward one and keeps its bits alive.
-            self._tie_seeds(op_name, graph, entry.seeds)
-            return None
-        if entry.saved is not None:
-            with graph.as_default(), record.stop_recording():
-                kept = [self._with_dep(_in_graph(saved, graph)) for saved in entry.saved]
-                return tuple(
-                    _unpack_bits(k, t.shape) if _packable(t) else k
-                    for k, t in zip(kept, outputs, strict=True)
-                )
-        return None
-
-    def _tie_seeds(self, op_name: str, graph: tf.Graph, seeds: dict[int, tf.Tensor]) -> None:
-        """Feeds `seeds` to the random op `op_name`, offset by this pass's zero `self._dep`."""
-        op = graph.get_operation_by_name(op_name)
-        with graph.as_default(), record.stop_recording():
-            for position, seed in seeds.items():
-                seed = _in_graph(seed, graph)
-                if op.op_def.input_arg[position].name != "alg":  # XLA needs alg constant
-                    seed = self._with_dep(seed)
-                op._update_input(position, seed)
-
-    def _with_dep(self, t: tf.Tensor) -> tf.Tensor:
-        if t.dtype == tf.bool:
-            return tf.logical_or(t, tf.cast(self._dep, tf.bool))
-        if t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex:
-            return t + tf.cast(self._dep, t.dtype)
-        return t
+        graph = op.graph
+        with graph.as_default(), tf_internals.stop_recording():
+            dep = in_graph(self._dep, graph)
+            kept = [with_dep(in_graph(k, graph), dep) for k in entry.kept]
+            return tuple(
+                _unpack_bits(k, t.shape) if _packable(t) else k
+                for k, t in zip(kept, outputs, strict=True)
+            )

@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from framework.remat.checkpoint import TAG_ATTR
+from framework.remat.replay import KEPT_ATTR
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,12 +36,11 @@ def _origin(tensor: tf.Tensor, arguments: dict) -> tuple[str, str]:
         return f"argument {arguments[tensor.ref()]}", "argument"
     if op.type == "ReadVariableOp":
         return f"weight {op.name.rsplit('/ReadVariableOp', 1)[0]}", "weight"
-    try:
-        tag = op.get_attr(TAG_ATTR).decode()
-    except ValueError:
-        tag = None
-    if tag is not None:
-        return f"checkpoint_name {tag!r}", "activation"
+    for attr, template in ((KEPT_ATTR, "{}"), (TAG_ATTR, "checkpoint_name {!r}")):
+        try:
+            return template.format(op.get_attr(attr).decode()), "activation"
+        except ValueError:
+            pass
     return f"{op.type} ({op.name})", "activation"
 
 
