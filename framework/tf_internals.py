@@ -9,7 +9,7 @@ them breaks one function, and `SUPPORTED_TENSORFLOW` says which releases were ch
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
@@ -126,12 +126,3 @@ def trace_function(python_function: Callable, *tensors) -> tf.types.experimental
 def flatten_layers(layer, recursive: bool) -> list:
     """The sub-layers of a Keras layer (direct children, or all descendants)."""
     return list(layer._flatten_layers(include_self=False, recursive=recursive))
-
-
-@contextlib.contextmanager
-def op_callback(callback: OpCallback) -> Iterator[None]:
-    add_op_callback(callback)
-    try:
-        yield
-    finally:
-        remove_op_callback(callback)

@@ -74,3 +74,27 @@ def test_profile_step_quick():
     assert "`call`" not in kinds, proc.stdout
     assert all(t > 0 for t in rows["all operations (summed over threads)"]), proc.stdout
     assert all(t > 0 for t in rows["step wall time, profiled"]), proc.stdout
+
+
+def test_scan_layers_quick(tmp_path):
+    out = tmp_path / "scan_layers.md"
+    command = [sys.executable, str(REPO_DIR / "benchmarks" / "scan_layers.py"), "--quick"]
+    proc = subprocess.run(
+        command + [f"--out={out}", "--steps=1"],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = out.read_text()
+    assert report.startswith("Command: `python benchmarks/scan_layers.py --quick")
+    rows = [
+        line for line in report.splitlines() if line.startswith("| 2 ") or line.startswith("| 4 ")
+    ]
+    assert len(rows) == 2, report
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        # depth, policy, compile s (2), XLA temp (2), peak (2), step s, ratio: all measured.
+        assert all(float(c) >= 0 for c in cells[2:]), row

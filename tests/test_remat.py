@@ -20,7 +20,13 @@ TOL = 1e-5
 
 
 class Block(keras.layers.Layer):
-    """Pre-norm transformer-like block: LayerNorm, einsum attention, MLP, three Dropouts."""
+    """Pre-norm transformer-like block: LayerNorm, einsum attention, MLP, three Dropouts.
+
+    `Block.calls` counts the Python calls of `call`: a checkpointed block runs once for the
+    forward pass and once for the recomputation (per trace), a plain one once.
+    """
+
+    calls = 0
 
     def __init__(self, d: int = 16, heads: int = 2, rate: float = 0.2, tagged: bool = True, **kw):
         super().__init__(**kw)
@@ -34,6 +40,7 @@ class Block(keras.layers.Layer):
         self.drop = keras.layers.Dropout(rate, seed=3)
 
     def call(self, x, training=None):
+        Block.calls += 1
         b, s = tf.shape(x)[0], tf.shape(x)[1]
         qkv = tf.reshape(self.qkv(self.ln1(x)), [b, s, 3, self.h, self.d // self.h])
         q, k, v = tf.unstack(qkv, axis=2)
@@ -147,7 +154,10 @@ def test_every_policy_matches_no_remat_with_dropout(stack, mode):
         for blk in blocks:
             remat.checkpoint(blk, policy)
         reset_seeds(blocks)
+        before = Block.calls
         got = stack_step(blocks, mode)(x)
+        runs = 1 if pid == "everything" else 2  # the recomputation runs the block again
+        assert Block.calls - before == runs * len(blocks), (mode, pid, Block.calls - before)
         assert rel_err(got, want) < TOL, (mode, pid, rel_err(got, want))
         assert seed_states(blocks) == want_states, "RNG state must advance once per call"
     for blk in blocks:
@@ -158,7 +168,10 @@ def test_function_signature_kwargs_nested_ints_and_variables():
     w = tf.Variable(tf.random.normal((4, 4), seed=1))
     seed = tf.constant([5, 6])
 
+    calls = []
+
     def fn(x, pair, *, scale, mask=None, repeat=2, flag=True):
+        calls.append(1)
         a, b = pair
         h = x @ w
         for _ in range(repeat):
@@ -189,19 +202,27 @@ def test_function_signature_kwargs_nested_ints_and_variables():
 
     for mode in ("eager", "graph"):
         ids_ref, g_ref = grads(fn, mode)
+        calls.clear()
         ids, g = grads(wrapped, mode)
+        assert len(calls) == 2, (mode, len(calls))  # forward pass and recomputation
         np.testing.assert_array_equal(ids, ids_ref)
         assert rel_err(g, g_ref) < TOL
 
 
 def test_keyword_only_call_gets_gradients_in_eager():
-    wrapped = remat.checkpoint(lambda *, x: tf.sin(x) * x)
+    calls = []
+
+    def body(*, x):
+        calls.append(1)
+        return tf.sin(x) * x
+
+    wrapped = remat.checkpoint(body)
     x = tf.constant([0.5, 1.0])
     with tf.GradientTape() as tape:
         tape.watch(x)
         y = wrapped(x=x)
     g = tape.gradient(y, x)
-    assert g is not None
+    assert g is not None and len(calls) == 2
     np.testing.assert_allclose(g, np.cos(x) * x + np.sin(x), rtol=1e-6)
 
 
@@ -211,12 +232,16 @@ def test_nested_checkpoints_and_keras_random(policy):
     w1 = tf.Variable(tf.random.normal((8, 8), seed=5))
     w2 = tf.Variable(tf.random.normal((8, 8), seed=6))
 
+    calls = {"inner": 0, "outer": 0}
+
     def inner(h):
+        calls["inner"] += 1
         h = tf.nn.relu(h @ w2)
         return keras.random.dropout(h, 0.5, seed=gen)
 
     def outer_with(inner_fn):
         def outer(x):
+            calls["outer"] += 1
             h = tf.tanh(x @ w1)
             h = inner_fn(h) + keras.random.normal(tf.shape(h), seed=gen) * 0.1
             return inner_fn(h)
@@ -237,7 +262,11 @@ def test_nested_checkpoints_and_keras_random(policy):
     state = gen.state.numpy().tolist()
     gen.state.assign([11, 0])
     nested = remat.checkpoint(outer_with(remat.checkpoint(inner, policy)), policy)
+    calls.update(inner=0, outer=0)
     got = run(nested)
+    # The outer region runs twice; each of its two inner calls runs in the outer forward pass,
+    # in the outer recomputation and in its own recomputation.
+    assert calls == {"inner": 6, "outer": 2}, calls
     assert rel_err(got, want) < TOL
     assert gen.state.numpy().tolist() == state
 

@@ -153,6 +153,7 @@ def test_closed_over_variable_integer_mask_and_ragged_values(mode):
             scale = tf.reduce_sum(ragged * 1.0)
 
             def region(x):
+                runs.append(1)
                 return tf.cast(mask, tf.float32) * tf.tanh(x @ w) * scale
 
             return tf.reduce_sum(wrap(region)(x) ** 2)
@@ -169,7 +170,10 @@ def test_closed_over_variable_integer_mask_and_ragged_values(mode):
         return compiled(run, mode)
 
     x = rand(2, 6)
-    assert_close(step(remat.checkpoint)(x), step(plain)(x))
+    runs: list = []
+    got = step(remat.checkpoint)(x)
+    assert len(runs) == 2
+    assert_close(got, step(plain)(x))
 
 
 # 2. A checkpointed callable stays checkpointed whatever wraps it.
@@ -285,10 +289,24 @@ def test_control_flow_inside_a_region(mode, policy, construct):
     check(mode, policy, make, [rand(3, 4)])
 
 
-@pytest.mark.parametrize("mode", ["graph", "xla"])
-@pytest.mark.parametrize("construct", sorted(CONTROL_FLOW))
-def test_second_order_through_control_flow(mode, construct):
-    body = CONTROL_FLOW[construct]
+def _dropout_then_tanh(x):
+    return tf.tanh(keras.random.dropout(x @ tf.eye(4), 0.5, seed=_SECOND_ORDER_SEEDS) * x)
+
+
+_SECOND_ORDER_SEEDS = keras.random.SeedGenerator(3)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("construct", sorted(CONTROL_FLOW) + ["dropout"])
+def test_second_order_through_control_flow_and_dropout(mode, construct):
+    body = CONTROL_FLOW.get(construct, _dropout_then_tanh)
+    _SECOND_ORDER_SEEDS.state.assign([3, 0])
+
+    runs = []
+
+    def counted(x):
+        runs.append(1)
+        return body(x)
 
     def hessian_vector(wrap):
         def step(x, v):
@@ -296,7 +314,7 @@ def test_second_order_through_control_flow(mode, construct):
                 outer.watch(x)
                 with tf.GradientTape() as inner:
                     inner.watch(x)
-                    y = tf.reduce_sum(wrap(body)(x) ** 2)
+                    y = tf.reduce_sum(wrap(counted)(x) ** 2)
                 g = inner.gradient(y, x)
                 gv = tf.reduce_sum(g * v)
             return outer.gradient(gv, x)
@@ -304,7 +322,11 @@ def test_second_order_through_control_flow(mode, construct):
         return compiled(step, mode)
 
     x, v = rand(3, 4), rand(3, 4)
-    assert_close(hessian_vector(remat.checkpoint)(x, v), hessian_vector(plain)(x, v), tol=1e-4)
+    want = hessian_vector(plain)(x, v)
+    _SECOND_ORDER_SEEDS.state.assign([3, 0])
+    runs.clear()
+    assert_close(hessian_vector(remat.checkpoint)(x, v), want, tol=1e-4)
+    assert len(runs) >= 2, len(runs)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -327,7 +349,10 @@ def test_closure_inside_a_scanned_region_body(mode):
 def test_dropout_inside_cond_and_while_gets_the_forward_masks(mode, policy):
     drop = keras.layers.Dropout(0.5, seed=11)
 
+    runs = []
+
     def body(x):
+        runs.append(1)
         y = tf.cond(tf.reduce_sum(x) > -1e9, lambda: drop(x, training=True), lambda: x)
         _, z = tf.while_loop(
             lambda i, z: i < 2,
@@ -346,7 +371,9 @@ def test_dropout_inside_cond_and_while_gets_the_forward_masks(mode, policy):
     want = grads(mode, make(plain), x)
     after_plain = state.numpy().tolist()
     state.assign([11, 0])
+    runs.clear()
     got = grads(mode, make(lambda f: remat.checkpoint(f, policy)), x)
+    assert len(runs) == 2
     assert_close(got, want)
     assert state.numpy().tolist() == after_plain  # the step advanced the seed once
 
@@ -422,8 +449,10 @@ def test_python_values_in_and_out(mode):
 def test_unconnected_inputs_and_unused_variables_get_none(mode):
     used, unused = tf.Variable(rand(3, seed=1)), tf.Variable(rand(3, seed=2))
 
+    runs = []
+
     def region(x, unrelated):
-        _ = unused  # closed over, never read
+        runs.append(unused)  # closed over, never read
         return tf.sin(x) * used
 
     def step(wrap):
@@ -437,7 +466,7 @@ def test_unconnected_inputs_and_unused_variables_get_none(mode):
 
     x, u = rand(3), rand(3)
     got = step(remat.checkpoint)(x, u)
-    assert got[1] is None and got[3] is None
+    assert got[1] is None and got[3] is None and len(runs) == 2
     assert_close(got, step(plain)(x, u))
 
 
@@ -460,9 +489,11 @@ def test_only_some_outputs_used_and_integer_outputs(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_random_generator_inside_a_region(mode):
     gen = tf.random.Generator.from_seed(7)
+    runs = []
 
     def make(wrap):
         def region(x):
+            runs.append(1)
             return x * tf.cast(gen.uniform(x.shape) > 0.5, x.dtype) + tf.sin(x)
 
         return lambda x: tf.reduce_sum(wrap(region)(x) ** 2)
@@ -472,7 +503,9 @@ def test_random_generator_inside_a_region(mode):
     want = grads(mode, make(plain), x)
     state = gen.state.numpy()
     gen.reset_from_seed(7)
+    runs = []
     got = grads(mode, make(remat.checkpoint), x)
+    assert len(runs) == 2
     assert_close(got, want)
     np.testing.assert_array_equal(gen.state.numpy(), state)
 
@@ -506,13 +539,14 @@ def test_forward_mode_gives_the_plain_jvp():
     np.testing.assert_allclose(acc.jvp(y), (tf.cos(x) * x + tf.sin(x)) * v, rtol=1e-5)
     assert body.calls >= 2  # forward-mode goes through the recomputation's gradient
 
-    @tf.function
     def jvp(x, v):
         with tf.autodiff.ForwardAccumulator(x, v) as acc:
             y = region(x)
         return acc.jvp(y)
 
-    np.testing.assert_allclose(jvp(x, v), (tf.cos(x) * x + tf.sin(x)) * v, rtol=1e-5)
+    for jit in (False, True):
+        got = tf.function(jvp, jit_compile=jit)(x, v)
+        np.testing.assert_allclose(got, (tf.cos(x) * x + tf.sin(x)) * v, rtol=1e-5)
 
 
 def _dots(step, *args) -> int:

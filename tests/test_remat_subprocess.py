@@ -25,16 +25,20 @@ def test_memory_ratios_under_xla():
 
 
 def test_no_leak_over_50_steps():
-    drift = run_scenario("leak")
-    for key, grown in drift.items():
-        assert grown <= 32 * 1024, (key, drift)
+    result = run_scenario("leak")
+    # The first step of each setting traced two blocks, each forward and recomputed.
+    assert set(result["runs"].values()) == {4}, result["runs"]
+    for key, grown in result["drift"].items():
+        assert grown <= 32 * 1024, (key, result)
 
 
 def test_mirrored_strategy_two_replicas():
-    errors = run_scenario("mirrored")
-    assert errors, "no policy was checked"
-    for key, err in errors.items():
-        assert err < 1e-5, (key, errors)
+    result = run_scenario("mirrored")
+    assert result["errors"], "no policy was checked"
+    # Each replica traced each of the two blocks forward and recomputed.
+    assert set(result["runs"].values()) == {8}, result["runs"]
+    for key, err in result["errors"].items():
+        assert err < 1e-5, (key, result)
 
 
 def _stack(tf, keras, n, d, seq, batch):
@@ -81,12 +85,13 @@ def _memory() -> dict:
 def _leak() -> dict:
     import keras
     import tensorflow as tf
+    from test_remat import Block
 
     from framework import remat
 
     blocks, x = _stack(tf, keras, n=2, d=32, seq=32, batch=4)
     variables = [v for blk in blocks for v in blk.trainable_variables]
-    drift = {}
+    drift, runs = {}, {}
     for mode in ("eager", "graph", "xla"):
         for policy in ("nothing_saveable", "dots_saveable"):
             for blk in blocks:
@@ -102,13 +107,16 @@ def _leak() -> dict:
             if mode != "eager":
                 step = tf.function(step, jit_compile=mode == "xla")
             live = []
-            for _ in range(50):
+            for i in range(50):
                 live.append(tf.config.experimental.get_memory_info("CPU:0")["current"])
+                before = Block.calls
                 step(x)
+                if i == 0:
+                    runs[f"{mode}/{policy}"] = Block.calls - before
             # Allocator noise is +-20 KiB here; a leak of one small activation per step (16 KiB)
             # grows the later window by 300 KiB.
             drift[f"{mode}/{policy}"] = max(live[30:]) - max(live[5:30])
-    return drift
+    return {"drift": drift, "runs": runs}
 
 
 def _mirrored() -> dict:
@@ -151,7 +159,9 @@ def _mirrored() -> dict:
         per_replica = distributed(dist)
         return [strategy.experimental_local_results(g) for g in per_replica]
 
-    errors = {}
+    from test_remat import Block
+
+    errors, runs = {}, {}
     for jit in (False, True):
         for blk in blocks:
             remat.checkpoint(blk, None)
@@ -159,14 +169,16 @@ def _mirrored() -> dict:
         for policy in ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable"):
             for blk in blocks:
                 remat.checkpoint(blk, policy)
+            before = Block.calls
             got = run(jit)
+            runs[f"jit={jit}/{policy}"] = Block.calls - before
             err = 0.0
             for g_rep, w_rep in zip(got, want, strict=False):
                 for g, w in zip(g_rep, w_rep, strict=False):
                     assert g is not None
                     err = max(err, float(tf.norm(g - w) / (tf.norm(w) + 1e-30)))
             errors[f"jit={jit}/{policy}"] = err
-    return errors
+    return {"errors": errors, "runs": runs}
 
 
 if __name__ == "__main__":

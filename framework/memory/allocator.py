@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
+
+from framework import tf_internals
 
 BFC_ENV_VAR = "TF_CPU_ALLOCATOR_USE_BFC"
 
@@ -77,15 +78,6 @@ def _memory_info(device: str, reset: bool = False) -> dict[str, int]:
         raise
 
 
-def _runtime_started() -> bool:
-    if "tensorflow" not in sys.modules:
-        return False
-    from tensorflow.python.eager import context
-
-    # TensorFlow has no public query for "devices already created".
-    return context.context()._initialized
-
-
 def keeps_statistics(device: str) -> bool:
     """Whether the allocator of `device` keeps the statistics `peak_bytes` reads."""
     try:
@@ -105,7 +97,7 @@ def enable_cpu_bfc_allocator() -> None:
     Raises:
       AllocatorNotTrackedError: when the runtime already started without the BFC allocator.
     """
-    if _runtime_started():
+    if tf_internals.runtime_started():
         _memory_info("CPU:0")
     else:
         os.environ[BFC_ENV_VAR] = "true"

@@ -15,7 +15,13 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from framework.models.transformer import TransformerBlock, add_blocks, blocks_of
+from framework.models.transformer import (
+    TransformerBlock,
+    add_blocks,
+    apply_blocks,
+    blocks_of,
+    build_blocks,
+)
 
 _INIT = keras.initializers.RandomNormal(stddev=0.02)
 
@@ -45,6 +51,7 @@ class _TextTransformer(keras.Model):
         num_heads: int,
         mlp_dim: int,
         dropout: float = 0.0,
+        scan_layers: bool = False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -58,7 +65,7 @@ class _TextTransformer(keras.Model):
             max_length, dim, embeddings_initializer=_INIT, name="position_embedding"
         )
         self.embed_dropout = keras.layers.Dropout(dropout)
-        add_blocks(self, depth, num_heads, mlp_dim, dropout)
+        add_blocks(self, depth, num_heads, mlp_dim, dropout, scan=scan_layers)
         self.norm = keras.layers.LayerNormalization(epsilon=1e-6, dtype="float32", name="norm")
 
     @property
@@ -70,8 +77,7 @@ class _TextTransformer(keras.Model):
         self.token_embedding.build(rows)
         self.position_embedding.build(rows)
         hidden = (None, self.max_length, self.dim)
-        for block in self.blocks:
-            block.build(hidden)
+        build_blocks(self, hidden)
         self.norm.build(hidden)
         self.built = True
 
@@ -89,8 +95,7 @@ class _TextTransformer(keras.Model):
         """Final-norm hidden states [batch, length, dim] in the compute dtype."""
         x = self.embed_dropout(self.embed(inputs), training=training)
         mask = attention_mask(inputs["segment_ids"], causal=self.causal)
-        for block in self.blocks:
-            x = block(x, attention_mask=mask, training=training)
+        x = apply_blocks(self, x, attention_mask=mask, training=training)
         return ops.cast(self.norm(x), x.dtype)
 
     def tied_logits(self, hidden):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from framework.models.scan import ScannedBlocks, stack_weights, unstack_weights
 from framework.remat import checkpoint_name
 
 
@@ -118,20 +119,79 @@ class TransformerBlock(keras.layers.Layer):
 
 
 def add_blocks(
-    owner: keras.layers.Layer, depth: int, num_heads: int, mlp_dim: int, dropout: float
+    owner: keras.layers.Layer,
+    depth: int,
+    num_heads: int,
+    mlp_dim: int,
+    dropout: float,
+    scan: bool = False,
 ) -> None:
-    """Gives `owner` `depth` TransformerBlocks as attributes `block_0`, `block_1`, ...
+    """Gives `owner` `depth` TransformerBlocks: attributes `block_0`, `block_1`, ..., or with
+    `scan=True` one `ScannedBlocks` attribute `scanned_blocks` holding them stacked in a loop.
 
     One attribute per block, not a list: Keras 3 wraps a list attribute in a type that
     tf.train.Checkpoint does not track, so blocks held in a list would not be saved.
     """
     owner.depth = depth
+
+    def make(name: str) -> TransformerBlock:
+        return TransformerBlock(num_heads, mlp_dim, dropout, name=name)
+
+    if scan:
+        owner.scanned_blocks = ScannedBlocks(make, depth, name="scanned_blocks")
+        return
     for i in range(depth):
-        setattr(
-            owner, f"block_{i}", TransformerBlock(num_heads, mlp_dim, dropout, name=f"block_{i}")
-        )
+        setattr(owner, f"block_{i}", make(f"block_{i}"))
 
 
 def blocks_of(owner: keras.layers.Layer) -> list[TransformerBlock]:
-    """The blocks `add_blocks` gave `owner`, in order."""
+    """The unrolled blocks `add_blocks` gave `owner`, in order (none when they are scanned)."""
+    if hasattr(owner, "scanned_blocks"):
+        return []
     return [getattr(owner, f"block_{i}") for i in range(owner.depth)]
+
+
+def build_blocks(owner: keras.layers.Layer, input_shape) -> None:
+    for block in blocks_of(owner) or [owner.scanned_blocks]:
+        block.build(input_shape)
+
+
+def apply_blocks(owner: keras.layers.Layer, x, **kwargs):
+    """Runs `x` through the blocks of `owner`, unrolled or scanned."""
+    for block in blocks_of(owner) or [owner.scanned_blocks]:
+        x = block(x, **kwargs)
+    return x
+
+
+def copy_weights(source: keras.layers.Layer, target: keras.layers.Layer) -> None:
+    """Copies every weight of a transformer model into another of the same configuration, each
+    with its blocks unrolled or scanned (`scan_layers`): how a checkpoint written by one layout is
+    used by the other (restore it into a model of its own layout, then copy)."""
+    own_source, own_target = _own_weights(source), _own_weights(target)
+    shapes = [[tuple(v.shape) for v in own] for own in (own_source, own_target)]
+    if shapes[0] != shapes[1]:
+        raise ValueError(
+            f"{source.name!r} and {target.name!r} differ outside their blocks: weights of shapes "
+            f"{shapes[0]} against {shapes[1]}; copy_weights needs two models of one configuration"
+        )
+    for a, b in zip(own_source, own_target):
+        b.assign(a)
+    if blocks_of(source) and blocks_of(target):
+        for a, b in zip(blocks_of(source), blocks_of(target), strict=True):
+            for va, vb in zip(a.variables, b.variables, strict=True):
+                vb.assign(va)
+    elif blocks_of(source):
+        stack_weights(blocks_of(source), target.scanned_blocks)
+    elif blocks_of(target):
+        unstack_weights(source.scanned_blocks, blocks_of(target))
+    else:
+        for va, vb in zip(source.scanned_blocks.variables, target.scanned_blocks.variables):
+            vb.assign(va)
+
+
+def _own_weights(model: keras.layers.Layer) -> list:
+    """The model's variables outside its blocks, in the model's order (the same for two models of
+    one class and configuration; variable paths are not unique, e.g. dropout seed states)."""
+    inside = blocks_of(model) or [model.scanned_blocks]
+    in_blocks = {id(v) for block in inside for v in block.variables}
+    return [v for v in model.variables if id(v) not in in_blocks]

@@ -9,7 +9,13 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from framework.models.transformer import TransformerBlock, add_blocks, blocks_of
+from framework.models.transformer import (
+    TransformerBlock,
+    add_blocks,
+    apply_blocks,
+    blocks_of,
+    build_blocks,
+)
 
 
 class VisionTransformer(keras.Model):
@@ -27,6 +33,7 @@ class VisionTransformer(keras.Model):
         mlp_dim: int = 3072,
         dropout: float = 0.0,
         channels: int = 3,
+        scan_layers: bool = False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -49,7 +56,7 @@ class VisionTransformer(keras.Model):
             name="positions",
         )
         self.embed_dropout = keras.layers.Dropout(dropout)
-        add_blocks(self, depth, num_heads, mlp_dim, dropout)
+        add_blocks(self, depth, num_heads, mlp_dim, dropout, scan=scan_layers)
         self.norm = keras.layers.LayerNormalization(epsilon=1e-6, dtype="float32", name="norm")
         self.head = keras.layers.Dense(num_classes, dtype="float32", name="head")
         self.build((None, image_size, image_size, channels))
@@ -62,8 +69,7 @@ class VisionTransformer(keras.Model):
         batch = input_shape[0]
         self.patch_embed.build(input_shape)
         tokens = (batch, self.num_patches + 1, self.patch_embed.filters)
-        for block in self.blocks:
-            block.build(tokens)
+        build_blocks(self, tokens)
         self.norm.build(tokens)
         self.head.build((batch, self.patch_embed.filters))
         self.built = True
@@ -75,8 +81,7 @@ class VisionTransformer(keras.Model):
         class_token = ops.cast(ops.tile(self.class_token, (batch, 1, 1)), tokens.dtype)
         x = ops.concatenate([class_token, tokens], axis=1) + ops.cast(self.positions, tokens.dtype)
         x = self.embed_dropout(x, training=training)
-        for block in self.blocks:
-            x = block(x, training=training)
+        x = apply_blocks(self, x, training=training)
         return self.head(self.norm(x)[:, 0])
 
 

@@ -19,7 +19,6 @@ from framework.remat.replay import (
     RecomputationMismatchError,
     RematError,
     UnreplayableRandomOpError,
-    UnsupportedRegionError,
 )
 from framework.remat.residuals import Residual, print_saved_residuals, saved_residuals
 
@@ -29,7 +28,6 @@ __all__ = [
     "RematError",
     "Residual",
     "UnreplayableRandomOpError",
-    "UnsupportedRegionError",
     "checkpoint",
     "checkpoint_name",
     "checkpointed_layers",

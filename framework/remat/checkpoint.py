@@ -304,7 +304,16 @@ def _assign(graph: tf.Graph, handle: tf.Tensor, value: tf.Tensor) -> tf.Operatio
     return op
 
 
+def _loops(layer: keras.layers.Layer) -> bool:
+    """Whether `layer` applies its own steps in a loop and checkpoints each step itself (e.g.
+    `framework.models.scan.ScannedBlocks`): it has `remat_policy` and `set_remat_policy`."""
+    return callable(getattr(layer, "set_remat_policy", None))
+
+
 def _checkpoint_layer(layer: keras.layers.Layer, policy: str | Policy | None):
+    if _loops(layer):
+        layer.set_remat_policy(None if get_policy(policy) is everything_saveable else policy)
+        return layer
     original = layer.__dict__.get("_remat_original_call")
     if original is None:
         original = layer.call
@@ -320,6 +329,8 @@ def _checkpoint_layer(layer: keras.layers.Layer, policy: str | Policy | None):
 
 def unwrap_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
     """Undoes `checkpoint(layer)`: the layer calls its own `call` again."""
+    if _loops(layer):
+        layer.set_remat_policy(None)
     if "_remat_original_call" in layer.__dict__:
         del layer.__dict__["call"]
         del layer.__dict__["_remat_original_call"]
@@ -327,7 +338,10 @@ def unwrap_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
 
 
 def is_checkpointed(layer: keras.layers.Layer) -> bool:
-    """Whether `checkpoint` or `set_grad_checkpointing` currently wraps this layer's `call`."""
+    """Whether `checkpoint` or `set_grad_checkpointing` currently wraps this layer's `call` (or,
+    for a layer that loops over its steps, checkpoints each step)."""
+    if _loops(layer):
+        return layer.remat_policy is not None
     return "_remat_original_call" in layer.__dict__
 
 
@@ -340,8 +354,10 @@ def checkpoint(
     For a function, returns a callable with the same signature (positional and keyword arguments,
     nested structures in and out, several outputs). For a Keras layer, wraps that layer's `call` in
     place and returns the same layer: weights, `training`, masks and serialization are untouched
-    (the remat setting itself is not serialized; re-apply it after loading). Calls made without an
-    active gradient tape (inference, Keras shape inference) run the original code unchanged.
+    (the remat setting itself is not serialized; re-apply it after loading). A layer that loops
+    over its own steps (`set_remat_policy`, as `ScannedBlocks`) checkpoints each step instead.
+    Calls made without an active gradient tape (inference, Keras shape inference) run the
+    original code unchanged.
 
     Args:
       fn_or_layer: the region: a function of tensors (and any non-tensor values) or a Keras layer.

@@ -65,7 +65,9 @@ def repeated_blocks(model: keras.Layer) -> list[keras.Layer]:
 
 def _select(model: keras.Layer, layers: LayerSelector) -> list[keras.Layer]:
     if layers is None:
-        return repeated_blocks(model)
+        return repeated_blocks(model) + _top_most(
+            model, lambda layer: callable(getattr(layer, "set_remat_policy", None))
+        )
     if isinstance(layers, (str, type)):
         layers = [layers]
     if callable(layers):
@@ -109,8 +111,10 @@ def set_grad_checkpointing(
       enable: False removes checkpointing from every layer of the model.
       policy: what each block keeps for the backward pass (see `remat.policies`).
       layers: which layers become checkpointed regions. Default: the model's repeated blocks, the
-        top-most layers whose class has weights and appears at least twice. Otherwise layer
-        names, layer classes, a list mixing both, or a predicate `layer -> bool`; the top-most
+        top-most layers whose class has weights and appears at least twice, and the layers that
+        loop over blocks themselves (`ScannedBlocks`: each step of the loop is a region).
+        Otherwise layer names, layer classes, a list mixing both, or a predicate
+        `layer -> bool`; the top-most
         matching layers are used (a match's own sublayers are inside its region already).
 
     Returns:

@@ -72,10 +72,6 @@ class UnreplayableRandomOpError(RematError):
     """A stateful random op inside a region: its recomputation would draw different numbers."""
 
 
-class UnsupportedRegionError(RematError):
-    """A construct a checkpointed region cannot rematerialize correctly (see the message)."""
-
-
 _local = threading.local()
 
 

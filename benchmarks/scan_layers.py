@@ -1,0 +1,172 @@
+"""Scan over layers against unrolled blocks: compile time, memory and step time at several depths.
+
+For each depth, one fresh process builds a ViT twice - blocks unrolled and blocks scanned
+(`scan_layers=True`), same weights - with every block (every loop step) checkpointed by the same
+remat policy, and measures for each layout:
+
+- compile time: the first call of the `tf.function(jit_compile=True)` train step (trace, XLA
+  compile and one step) minus the median steady step;
+- XLA's plan for the step (`framework.memory.compiled_bytes`): temporaries, and everything
+  including weights;
+- the allocator's peak of one steady step beyond what was live before it;
+- the step time, the two layouts timed in alternation, and the scanned/unrolled ratio.
+
+    python benchmarks/scan_layers.py --out=benchmarks/results/scan_layers.md
+    python benchmarks/scan_layers.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import tensorflow as tf
+from remat_policies import REPO_DIR, machine, median_step_times
+
+from framework import memory, models, remat
+from framework.models import transformer
+
+DEPTHS = (12, 24, 48)
+
+
+def build(depth: int, scan: bool, quick: bool):
+    size, dim, heads, mlp = (32, 32, 2, 64) if quick else (224, 384, 6, 1536)
+    return models.vit_small(
+        image_size=size,
+        patch_size=16,
+        dim=dim,
+        num_heads=heads,
+        mlp_dim=mlp,
+        depth=depth,
+        num_classes=10 if quick else 1000,
+        dropout=0.1,
+        scan_layers=scan,
+    )
+
+
+def train_step(model, learning_rate: float = 1e-4):
+    """Forward, backward and an SGD update, compiled by XLA."""
+
+    @tf.function(jit_compile=True)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+        grads = tape.gradient(loss, model.trainable_variables)
+        for variable, grad in zip(model.trainable_variables, grads):
+            variable.assign_sub(learning_rate * grad)
+        return loss
+
+    return step
+
+
+def measure(depth: int, policy: str, steps: int, quick: bool) -> dict:
+    tf.function(lambda: tf.constant(1.0) + 1.0, jit_compile=True)()  # pay XLA's set-up once
+    batch, size = (2, 32) if quick else (8, 224)
+    x = tf.random.stateless_normal((batch, size, size, 3), seed=(1, 2))
+    y = tf.random.stateless_uniform((batch,), seed=(3, 4), maxval=10, dtype=tf.int32)
+    unrolled = build(depth, scan=False, quick=quick)
+    scanned = build(depth, scan=True, quick=quick)
+    transformer.copy_weights(unrolled, scanned)
+    result = {"depth": depth, "policy": policy}
+    step_fns = {}
+    for name, model in (("unrolled", unrolled), ("scanned", scanned)):
+        remat.set_grad_checkpointing(model, policy=policy)
+        step = train_step(model)
+        start = time.perf_counter()
+        step(x, y).numpy()
+        result[f"{name}_first_s"] = time.perf_counter() - start
+        plan = memory.compiled_bytes(step, x, y)
+        result[f"{name}_temp"], result[f"{name}_total"] = plan.temp_bytes, plan.total_bytes
+        result[f"{name}_peak"] = memory.peak_bytes(step, x, y).step_bytes
+        step_fns[name] = step
+    times = median_step_times([step_fns["unrolled"], step_fns["scanned"]], x, y, steps)
+    result["unrolled_step_s"], result["scanned_step_s"] = times
+    for name in ("unrolled", "scanned"):
+        result[f"{name}_compile_s"] = result[f"{name}_first_s"] - result[f"{name}_step_s"]
+    return result
+
+
+def run_child(depth: int, policy: str, steps: int, quick: bool) -> dict:
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_DIR, env.get("PYTHONPATH")]))
+    command = [sys.executable, os.path.abspath(__file__), f"--child={depth}", f"--policy={policy}"]
+    command += [f"--steps={steps}"] + (["--quick"] if quick else [])
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+    return {"depth": depth, "policy": policy, "error": f"process died: {tail}"[:160]}
+
+
+def format_report(results: list[dict], command: str, started: datetime.datetime, quick) -> str:
+    mib = 2.0**20
+    model = "tiny ViT (width 32)" if quick else "ViT-S/16 (width 384, 6 heads, MLP 1536)"
+    lines = [
+        f"Command: `{command}`",
+        f"Date: {started:%Y-%m-%d %H:%M}, load average {os.getloadavg()[0]:.1f}",
+        f"Machine: {machine()}",
+        f"Model: {model}, batch {2 if quick else 8}, dropout 0.1, SGD step under "
+        "`tf.function(jit_compile=True)`; remat policy as listed on every block / loop step. "
+        "Compile: first call minus a steady step. Peak: allocator peak of a steady step beyond "
+        "what was live before it. Each depth in a fresh process; step times in alternation.",
+        "",
+        "| depth | policy | compile s unrolled | compile s scanned | XLA temp MiB unrolled "
+        "| XLA temp MiB scanned | peak MiB unrolled | peak MiB scanned | step s unrolled "
+        "| step time scanned / unrolled |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['depth']} | `{r['policy']}` | {r['error']} |")
+            continue
+        lines.append(
+            f"| {r['depth']} | `{r['policy']}` | {r['unrolled_compile_s']:.1f} "
+            f"| {r['scanned_compile_s']:.1f} | {r['unrolled_temp'] / mib:.1f} "
+            f"| {r['scanned_temp'] / mib:.1f} | {r['unrolled_peak'] / mib:.1f} "
+            f"| {r['scanned_peak'] / mib:.1f} | {r['unrolled_step_s']:.2f} "
+            f"| {r['scanned_step_s'] / r['unrolled_step_s']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--depths", default=",".join(map(str, DEPTHS)))
+    parser.add_argument("--policies", default="random_masks_saveable")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per layout")
+    parser.add_argument("--out", help="also write the report (markdown) to this file")
+    parser.add_argument("--quick", action="store_true", help="tiny model, depths 2 and 4")
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--policy", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    if args.child:
+        print(json.dumps(measure(args.child, args.policy, args.steps, args.quick)))
+        return
+    depths = [2, 4] if args.quick else [int(d) for d in args.depths.split(",")]
+    started = datetime.datetime.now()
+    results = []
+    for policy in args.policies.split(","):
+        remat.get_policy(policy)  # an unknown name fails here, not in a child
+        for depth in depths:
+            results.append(run_child(depth, policy, args.steps, args.quick))
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    command = "python " + " ".join([os.path.relpath(__file__, REPO_DIR), *sys.argv[1:]])
+    report = format_report(results, command, started, args.quick)
+    print(report)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(report)
+
+
+if __name__ == "__main__":
+    main()

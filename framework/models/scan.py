@@ -1,0 +1,165 @@
+"""Scan over layers: `depth` copies of one block as one loop, its weights stacked on a new axis.
+
+An unrolled stack of N blocks is N copies of the block's graph: tracing and XLA compile time grow
+with N, and so does the compiled program. `ScannedBlocks` holds each block variable once, with a
+leading axis of size N, and applies the block in a `tf.while_loop` that reads slice i in step i (as
+MaxText's `scan_layers` and Flax's `nn.scan` do). The block is traced and compiled once, whatever
+the depth. Each step can be a checkpointed region: the loop then keeps one input per block for the
+backward pass and recomputes a block's activations in the backward loop - the memory of full remat.
+
+The block runs through Keras' `stateless_call`, so it neither reads nor writes real variables
+inside the loop: its weights are slices of the stacked variables, and the new values of its
+non-trainable state (the dropout seed of each block) are collected and written back once after
+the loop.
+
+Checkpoints: the stacked layout is its own (one variable per block variable, `[depth, ...]`).
+`stack_weights` and `unstack_weights` convert to and from a list of unrolled blocks, so weights
+move between the two layouts (and a checkpoint of one can be restored into a model of the other).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import keras
+import tensorflow as tf
+
+from framework import remat
+
+
+class ScannedBlocks(keras.layers.Layer):
+    """`depth` blocks made by `make_block(name)`, applied in a loop with stacked weights.
+
+    Args:
+      make_block: builds one block (a Keras layer) given its name; every block has the same
+        variables (shapes and order), as copies of one block class with one config have.
+      depth: number of blocks.
+      remat_policy: policy of `remat.checkpoint` for each step of the loop, or None (no remat).
+    """
+
+    def __init__(
+        self,
+        make_block: Callable[[str], keras.layers.Layer],
+        depth: int,
+        remat_policy: str | remat.policies.Policy | None = None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        if depth < 1:
+            raise ValueError(f"ScannedBlocks needs depth >= 1, got {depth}")
+        self.make_block = make_block
+        self.depth = depth
+        self.remat_policy = remat_policy
+
+    def build(self, input_shape):
+        # The template defines the block's computation; its own variables are never read (each
+        # step maps them to slices) and are kept out of the layer's tracking.
+        template = self.make_block("block")
+        template.build(input_shape)
+        object.__setattr__(self, "_template", template)
+        initial = [self.make_block(f"init_{i}") for i in range(self.depth)]
+        for block in initial:
+            block.build(input_shape)
+        for k, variable in enumerate(template.variables):
+            values = tf.stack([tf.convert_to_tensor(b.variables[k]) for b in initial])
+            stacked = self.add_weight(
+                shape=values.shape,
+                dtype=variable.dtype,
+                trainable=variable.trainable,
+                initializer=keras.initializers.Constant(values.numpy()),
+                name=f"{k}_" + variable.path.replace("/", "_"),
+            )
+            # One attribute each: tf.train.Checkpoint does not save variables held in a list.
+            setattr(self, f"stacked_{k}", stacked)
+        self.built = True
+
+    @property
+    def stacked(self) -> list:
+        """One variable `[depth, ...]` per variable of the block, in the block's order."""
+        return [getattr(self, f"stacked_{k}") for k in range(len(self.template.variables))]
+
+    @property
+    def template(self) -> keras.layers.Layer:
+        return self._template
+
+    def set_remat_policy(self, policy: str | remat.policies.Policy | None) -> None:
+        """What `remat.set_grad_checkpointing` calls: checkpoint each step with `policy`."""
+        self.remat_policy = policy
+
+    def _step(self, x, *slices, training=None, **kwargs):
+        template = self.template
+        trainable = list(slices[: len(template.trainable_variables)])
+        non_trainable = list(slices[len(template.trainable_variables) :])
+        return template.stateless_call(trainable, non_trainable, x, training=training, **kwargs)
+
+    def _ordered(self) -> tuple[list, list]:
+        """The stacked variables in the template's order: trainable ones, then the others."""
+        by_template = {id(v): s for v, s in zip(self.template.variables, self.stacked)}
+        trainable = [by_template[id(v)] for v in self.template.trainable_variables]
+        non_trainable = [by_template[id(v)] for v in self.template.non_trainable_variables]
+        return trainable, non_trainable
+
+    def call(self, x, training=None, **kwargs):
+        trainable, non_trainable = self._ordered()
+        step = self._step
+        if self.remat_policy is not None:
+            step = remat.checkpoint(self._step, self.remat_policy)
+        stacks = [tf.convert_to_tensor(v) for v in trainable + non_trainable]
+        reads = [
+            tf.TensorArray(s.dtype, size=self.depth, element_shape=s.shape[1:]).unstack(s)
+            for s in stacks
+        ]
+        states = [
+            tf.TensorArray(s.dtype, size=self.depth, element_shape=s.shape[1:])
+            for s in stacks[len(trainable) :]
+        ]
+
+        def body(i, x, states):
+            slices = [r.read(i) for r in reads]
+            y, new_states = step(x, *slices, training=training, **kwargs)
+            y = tf.ensure_shape(tf.cast(y, x.dtype), x.shape)
+            return i + 1, y, [s.write(i, v) for s, v in zip(states, new_states)]
+
+        _, x, states = tf.while_loop(
+            lambda i, x, states: i < self.depth,
+            body,
+            (tf.constant(0), x, states),
+            maximum_iterations=self.depth,
+        )
+        for variable, state in zip(non_trainable, states):
+            variable.assign(state.stack())
+        return x
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+
+def stack_weights(blocks: list[keras.layers.Layer], scanned: ScannedBlocks) -> None:
+    """Copies the weights of unrolled `blocks` (built, in order) into `scanned`."""
+    _check(blocks, scanned)
+    trainable, non_trainable = scanned._ordered()
+    for k, variable in enumerate(trainable + non_trainable):
+        per_block = [(b.trainable_variables + b.non_trainable_variables)[k] for b in blocks]
+        variable.assign(tf.stack([tf.convert_to_tensor(v) for v in per_block]))
+
+
+def unstack_weights(scanned: ScannedBlocks, blocks: list[keras.layers.Layer]) -> None:
+    """Copies the weights of `scanned` into unrolled `blocks` (built, in order)."""
+    _check(blocks, scanned)
+    trainable, non_trainable = scanned._ordered()
+    for k, variable in enumerate(trainable + non_trainable):
+        values = tf.unstack(tf.convert_to_tensor(variable))
+        for block, value in zip(blocks, values):
+            (block.trainable_variables + block.non_trainable_variables)[k].assign(value)
+
+
+def _check(blocks: list[keras.layers.Layer], scanned: ScannedBlocks) -> None:
+    if len(blocks) != scanned.depth:
+        raise ValueError(f"{len(blocks)} blocks for a scan of depth {scanned.depth}")
+    want = [tuple(v.shape) for v in scanned.template.variables]
+    for block in blocks:
+        got = [tuple(v.shape) for v in block.variables]
+        if got != want:
+            raise ValueError(
+                f"block {block.name!r} has variables of shapes {got}; the scanned block has {want}"
+            )
