@@ -275,18 +275,35 @@ def measure(model_name: str, setting: str, steps: int, quick: bool) -> dict[str,
     return result
 
 
-def run_child(model_name: str, setting: str, steps: int, quick: bool) -> dict[str, Any]:
-    """Runs `measure` in a fresh Python process with the CPU BFC allocator on."""
+def child_json(script: str, args: list[str], identity: dict[str, Any]) -> dict[str, Any]:
+    """Runs `script` with `args` in a fresh Python process (CPU BFC allocator on) and returns the
+    JSON object of its last output line, or `identity` with the error when the process fails."""
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_DIR, env.get("PYTHONPATH")]))
-    command = [sys.executable, os.path.abspath(__file__), "--child", f"{model_name}:{setting}"]
-    command += [f"--steps={steps}"] + (["--quick"] if quick else [])
+    command = [sys.executable, os.path.abspath(script), *args]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode == 0 and lines:
         return json.loads(lines[-1])
     tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-    return {"model": model_name, "setting": setting, "error": f"process died: {tail}"[:140]}
+    return {**identity, "error": f"process died: {tail}"[:140]}
+
+
+def run_child(model_name: str, setting: str, steps: int, quick: bool) -> dict[str, Any]:
+    """Runs `measure` in a fresh Python process."""
+    args = ["--child", f"{model_name}:{setting}", f"--steps={steps}"] + (
+        ["--quick"] if quick else []
+    )
+    return child_json(__file__, args, {"model": model_name, "setting": setting})
+
+
+def write_report(report: str, out: str | None) -> None:
+    """Prints the report and, with `out`, writes it to that file."""
+    print(report)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            f.write(report)
 
 
 def _mib(n: float) -> str:
@@ -434,12 +451,7 @@ def main() -> None:
             loads.append(os.getloadavg()[0])
             results.append(run_child(model_name, setting, steps, args.quick))
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    report = format_report(results, model_names, steps, args.quick, started, loads)
-    print(report)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(report)
+    write_report(format_report(results, model_names, steps, args.quick, started, loads), args.out)
 
 
 if __name__ == "__main__":

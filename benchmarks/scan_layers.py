@@ -21,12 +21,11 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
 import tensorflow as tf
-from remat_policies import REPO_DIR, machine, median_step_times
+from remat_policies import REPO_DIR, child_json, machine, median_step_times, write_report
 
 from framework import memory, models, remat
 from framework.models import transformer
@@ -93,16 +92,11 @@ def measure(depth: int, policy: str, steps: int, quick: bool) -> dict:
 
 
 def run_child(depth: int, policy: str, steps: int, quick: bool) -> dict:
-    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_DIR, env.get("PYTHONPATH")]))
-    command = [sys.executable, os.path.abspath(__file__), f"--child={depth}", f"--policy={policy}"]
-    command += [f"--steps={steps}"] + (["--quick"] if quick else [])
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode == 0 and lines:
-        return json.loads(lines[-1])
-    tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-    return {"depth": depth, "policy": policy, "error": f"process died: {tail}"[:160]}
+    """Runs `measure` in a fresh Python process."""
+    args = [f"--child={depth}", f"--policy={policy}", f"--steps={steps}"]
+    return child_json(
+        __file__, args + (["--quick"] if quick else []), {"depth": depth, "policy": policy}
+    )
 
 
 def format_report(results: list[dict], command: str, started: datetime.datetime, quick) -> str:
@@ -160,12 +154,7 @@ def main() -> None:
             results.append(run_child(depth, policy, args.steps, args.quick))
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     command = "python " + " ".join([os.path.relpath(__file__, REPO_DIR), *sys.argv[1:]])
-    report = format_report(results, command, started, args.quick)
-    print(report)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(report)
+    write_report(format_report(results, command, started, args.quick), args.out)
 
 
 if __name__ == "__main__":
