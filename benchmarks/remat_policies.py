@@ -40,7 +40,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from framework import memory, models, remat
+from framework import memory, models, remat, tf_internals
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -146,7 +146,7 @@ def _recompute_grad_blocks(model: Any) -> None:
     `tf.recompute_grad` rejects keyword arguments inside `tf.function`, so the block's other
     arguments (mask, `training`) are closed over and only the tensor goes through it.
     """
-    for block in model._flatten_layers(include_self=False):
+    for block in tf_internals.flatten_layers(model, recursive=True):
         if isinstance(block, models.TransformerBlock):
 
             def call(x, *args, original=block.call, **kwargs):
