@@ -161,6 +161,7 @@ class Trainer:
         # Built now, so a bad data configuration fails before training and gin records it.
         self._eval_dataset = self._distributed_dataset("eval")
         self._train_loop = tf.function(self._train_loop_fn)
+        self._finite_state: Callable | None = None
         self._eval_loop = tf.function(self._eval_loop_fn)
         self._writers = {
             split: tf.summary.create_file_writer(os.path.join(model_dir, split))
@@ -387,14 +388,62 @@ class Trainer:
         raise PreemptedError(self.step)
 
     def _check_finite(self, loss: float) -> None:
-        if math.isfinite(loss):
+        """Stops a diverged run before it saves: a finite loss is not enough, as the loop's last
+        update may already have made the weights or the optimizer state non-finite."""
+        if math.isfinite(loss) and self._state_is_finite():
             return
-        latest = self._latest_checkpoint()
-        kept = f"the last good checkpoint {latest} is kept" if latest else "no checkpoint was saved"
-        raise TrainerError(
-            f"the loss became {loss} before step {self.step}: training diverged; {kept}. Lower "
-            "Trainer.learning_rate, raise Trainer.warmup_steps or set Trainer.clip_norm."
+        what = (
+            f"the loss became {loss}"
+            if not math.isfinite(loss)
+            else "the weights became non-finite"
         )
+        latest = self._newest_finite_checkpoint()
+        kept = (
+            f"the last good checkpoint {latest} is kept"
+            if latest
+            else "no finite checkpoint exists"
+        )
+        raise TrainerError(
+            f"{what} before step {self.step}: training diverged and this state was not saved; "
+            f"{kept}. Lower Trainer.learning_rate, raise Trainer.warmup_steps or set "
+            "Trainer.clip_norm, and run again to resume from it."
+        )
+
+    def _state_is_finite(self) -> bool:
+        """Whether every floating-point variable of the model and the optimizer is finite: one
+        reduction on the device, cheap next to a step."""
+        if self._finite_state is None:
+            variables = [
+                v
+                for v in self.model.variables + self.optimizer.variables
+                if tf.as_dtype(v.dtype).is_floating
+            ]
+
+            def finite():
+                return tf.reduce_all(
+                    tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in variables])
+                )
+
+            self._finite_state = tf.function(finite)
+        return bool(self._finite_state())
+
+    def _newest_finite_checkpoint(self) -> str | None:
+        """The newest checkpoint in model_dir whose floating-point values are all finite (one
+        written before this check existed may not be)."""
+        state = tf.train.get_checkpoint_state(self.checkpoint_dir)
+        for path in reversed(list(state.all_model_checkpoint_paths) if state else []):
+            try:
+                reader = tf.train.load_checkpoint(path)
+                values = (reader.get_tensor(name) for name in reader.get_variable_to_shape_map())
+                if all(
+                    np.isfinite(v).all()
+                    for v in values
+                    if np.issubdtype(np.asarray(v).dtype, np.floating)
+                ):
+                    return path
+            except (tf.errors.OpError, ValueError) as error:
+                logging.warning("cannot read checkpoint %s: %s", path, error)
+        return None
 
     def _write_summaries(self, split: str, metrics: dict[str, float]) -> None:
         with self._writers[split].as_default(step=self.step):

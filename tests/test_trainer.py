@@ -71,6 +71,38 @@ def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path):
     assert tf.train.latest_checkpoint(tmp_path / "checkpoints").endswith("ckpt-5")
 
 
+def _non_finite_values(path: str) -> int:
+    reader = tf.train.load_checkpoint(path)
+    return sum(
+        int(np.size(value) - np.isfinite(value).sum())
+        for name in reader.get_variable_to_shape_map()
+        if np.issubdtype((value := np.asarray(reader.get_tensor(name))).dtype, np.floating)
+    )
+
+
+@pytest.mark.parametrize("earlier_steps", [0, 2])
+def test_a_diverging_run_never_saves_a_non_finite_checkpoint(tmp_path, earlier_steps):
+    if earlier_steps:
+        make_trainer(tmp_path, train_steps=earlier_steps, steps_per_loop=1).train()
+    # An infinite learning rate makes the weights non-finite in the first update, whose loss (of
+    # the weights before it) is finite: the state to save is broken, the loss does not show it.
+    diverging = dict(steps_per_loop=1, checkpoint_every=1, clip_norm=None)
+    trainer = make_trainer(tmp_path, train_steps=10, learning_rate=float("inf"), **diverging)
+    with pytest.raises(TrainerError, match="diverged") as info:
+        trainer.train()
+    state = tf.train.get_checkpoint_state(tmp_path / "checkpoints")
+    saved = list(state.all_model_checkpoint_paths) if state else []
+    assert [os.path.basename(p) for p in saved] == [f"ckpt-{i + 1}" for i in range(earlier_steps)]
+    assert all(_non_finite_values(path) == 0 for path in saved), saved
+    newest = f"ckpt-{earlier_steps} is kept" if earlier_steps else "no finite checkpoint"
+    assert newest in str(info.value), info.value
+    # A restart with a sane learning rate continues from the newest checkpoint.
+    again = make_trainer(tmp_path, train_steps=earlier_steps + 2, steps_per_loop=1)
+    assert again.step == earlier_steps
+    again.train()
+    assert again.step == earlier_steps + 2
+
+
 def test_corrupted_checkpoint_is_an_error_and_is_not_deleted(tmp_path):
     make_trainer(tmp_path, train_steps=5).train()
     data = [p for p in (tmp_path / "checkpoints").iterdir() if ".data-" in p.name][0]
