@@ -151,14 +151,19 @@ def blocks_of(owner: keras.layers.Layer) -> list[TransformerBlock]:
     return [getattr(owner, f"block_{i}") for i in range(owner.depth)]
 
 
+def _block_layers(owner: keras.layers.Layer) -> list[keras.layers.Layer]:
+    """The layers holding the blocks: each unrolled block, or the one `ScannedBlocks`."""
+    return blocks_of(owner) or [owner.scanned_blocks]
+
+
 def build_blocks(owner: keras.layers.Layer, input_shape) -> None:
-    for block in blocks_of(owner) or [owner.scanned_blocks]:
+    for block in _block_layers(owner):
         block.build(input_shape)
 
 
 def apply_blocks(owner: keras.layers.Layer, x, **kwargs):
     """Runs `x` through the blocks of `owner`, unrolled or scanned."""
-    for block in blocks_of(owner) or [owner.scanned_blocks]:
+    for block in _block_layers(owner):
         x = block(x, **kwargs)
     return x
 
@@ -167,31 +172,26 @@ def copy_weights(source: keras.layers.Layer, target: keras.layers.Layer) -> None
     """Copies every weight of a transformer model into another of the same configuration, each
     with its blocks unrolled or scanned (`scan_layers`): how a checkpoint written by one layout is
     used by the other (restore it into a model of its own layout, then copy)."""
-    own_source, own_target = _own_weights(source), _own_weights(target)
-    shapes = [[tuple(v.shape) for v in own] for own in (own_source, own_target)]
-    if shapes[0] != shapes[1]:
+    same_layout = bool(blocks_of(source)) == bool(blocks_of(target))
+    # In the models' order (the same for two models of one class and configuration): variable
+    # paths are not unique (dropout seed states), so they cannot pair the variables.
+    sources, targets = _weights(source, same_layout), _weights(target, same_layout)
+    if [tuple(v.shape) for v in sources] != [tuple(v.shape) for v in targets]:
         raise ValueError(
-            f"{source.name!r} and {target.name!r} differ outside their blocks: weights of shapes "
-            f"{shapes[0]} against {shapes[1]}; copy_weights needs two models of one configuration"
+            f"{source.name!r} and {target.name!r} have different weights: copy_weights needs "
+            "two models of one configuration"
         )
-    for a, b in zip(own_source, own_target):
+    for a, b in zip(sources, targets):
         b.assign(a)
-    if blocks_of(source) and blocks_of(target):
-        for a, b in zip(blocks_of(source), blocks_of(target), strict=True):
-            for va, vb in zip(a.variables, b.variables, strict=True):
-                vb.assign(va)
-    elif blocks_of(source):
+    if blocks_of(source) and not same_layout:
         stack_weights(blocks_of(source), target.scanned_blocks)
-    elif blocks_of(target):
+    elif not same_layout:
         unstack_weights(source.scanned_blocks, blocks_of(target))
-    else:
-        for va, vb in zip(source.scanned_blocks.variables, target.scanned_blocks.variables):
-            vb.assign(va)
 
 
-def _own_weights(model: keras.layers.Layer) -> list:
-    """The model's variables outside its blocks, in the model's order (the same for two models of
-    one class and configuration; variable paths are not unique, e.g. dropout seed states)."""
-    inside = blocks_of(model) or [model.scanned_blocks]
-    in_blocks = {id(v) for block in inside for v in block.variables}
+def _weights(model: keras.layers.Layer, with_blocks: bool) -> list:
+    """The model's variables, or only those outside its blocks."""
+    if with_blocks:
+        return list(model.variables)
+    in_blocks = {id(v) for block in _block_layers(model) for v in block.variables}
     return [v for v in model.variables if id(v) not in in_blocks]

@@ -180,11 +180,10 @@ class Checkpointed:
                 return layouts[-1].tensors()
 
             function = tf_internals.trace_function(traced, *tensors)
-            entry = (function, layouts[-1])
             # Tensors the region closes over were captured by value: trace again next time.
             if key is None or any(c.dtype != tf.resource for c in function.captured_inputs):
-                return entry[1].pack(function(*tensors))
-            self._traced[key] = entry
+                return layouts[-1].pack(function(*tensors))
+            self._traced[key] = (function, layouts[-1])
         function, layout = self._traced[key]
         return layout.pack(function(*tensors))
 
@@ -304,14 +303,14 @@ def _assign(graph: tf.Graph, handle: tf.Tensor, value: tf.Tensor) -> tf.Operatio
     return op
 
 
-def _loops(layer: keras.layers.Layer) -> bool:
+def loops_over_steps(layer: keras.layers.Layer) -> bool:
     """Whether `layer` applies its own steps in a loop and checkpoints each step itself (e.g.
     `framework.models.scan.ScannedBlocks`): it has `remat_policy` and `set_remat_policy`."""
     return callable(getattr(layer, "set_remat_policy", None))
 
 
 def _checkpoint_layer(layer: keras.layers.Layer, policy: str | Policy | None):
-    if _loops(layer):
+    if loops_over_steps(layer):
         layer.set_remat_policy(None if get_policy(policy) is everything_saveable else policy)
         return layer
     original = layer.__dict__.get("_remat_original_call")
@@ -329,7 +328,7 @@ def _checkpoint_layer(layer: keras.layers.Layer, policy: str | Policy | None):
 
 def unwrap_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
     """Undoes `checkpoint(layer)`: the layer calls its own `call` again."""
-    if _loops(layer):
+    if loops_over_steps(layer):
         layer.set_remat_policy(None)
     if "_remat_original_call" in layer.__dict__:
         del layer.__dict__["call"]
@@ -340,7 +339,7 @@ def unwrap_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
 def is_checkpointed(layer: keras.layers.Layer) -> bool:
     """Whether `checkpoint` or `set_grad_checkpointing` currently wraps this layer's `call` (or,
     for a layer that loops over its steps, checkpoints each step)."""
-    if _loops(layer):
+    if loops_over_steps(layer):
         return layer.remat_policy is not None
     return "_remat_original_call" in layer.__dict__
 

@@ -137,6 +137,8 @@ class _Scanner:
             for callee in _callees(node):
                 callee_written, callee_random = self.function(callee)
                 random_ops.extend(callee_random)
+                if not callee_written:  # also every function missing from the library
+                    continue
                 n_args = len(self.library[callee].signature.input_arg)
                 offset = len(data) - n_args  # If/Case take the branch selector first
                 for arg, dtype in callee_written.items():
@@ -148,11 +150,9 @@ class _Scanner:
 
     def function(self, name: str) -> tuple[dict[int, tf.DType], list[str]]:
         if name not in self.memo:
-            if name not in self.library:
-                self.memo[name] = ({}, [])
-            else:
-                self.memo[name] = ({}, [])  # recursion guard
-                fdef = self.library[name]
+            self.memo[name] = ({}, [])  # also the recursion guard
+            fdef = self.library.get(name)
+            if fdef is not None:
                 args = [a.name for a in fdef.signature.input_arg]
                 self.memo[name] = self.scan(fdef.node_def, args)
         return self.memo[name]

@@ -14,7 +14,12 @@ from collections.abc import Callable, Iterable
 import keras
 
 from framework import tf_internals
-from framework.remat.checkpoint import checkpoint, is_checkpointed, unwrap_layer
+from framework.remat.checkpoint import (
+    checkpoint,
+    is_checkpointed,
+    loops_over_steps,
+    unwrap_layer,
+)
 from framework.remat.policies import Policy, get_policy
 
 LayerSelector = None | str | type | Iterable[str | type] | Callable[[keras.Layer], bool]
@@ -65,9 +70,7 @@ def repeated_blocks(model: keras.Layer) -> list[keras.Layer]:
 
 def _select(model: keras.Layer, layers: LayerSelector) -> list[keras.Layer]:
     if layers is None:
-        return repeated_blocks(model) + _top_most(
-            model, lambda layer: callable(getattr(layer, "set_remat_policy", None))
-        )
+        return repeated_blocks(model) + _top_most(model, loops_over_steps)
     if isinstance(layers, (str, type)):
         layers = [layers]
     if callable(layers):
@@ -114,8 +117,8 @@ def set_grad_checkpointing(
         top-most layers whose class has weights and appears at least twice, and the layers that
         loop over blocks themselves (`ScannedBlocks`: each step of the loop is a region).
         Otherwise layer names, layer classes, a list mixing both, or a predicate
-        `layer -> bool`; the top-most
-        matching layers are used (a match's own sublayers are inside its region already).
+        `layer -> bool`; the top-most matching layers are used (a match's own sublayers are
+        inside its region already).
 
     Returns:
       The layers now checkpointed (empty when `enable` is False).

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-import weakref
 from collections.abc import Iterator
 
 import tensorflow as tf
@@ -186,11 +185,18 @@ class StateOrder:
     from an earlier-created op to a later one, as `tf.function`'s own, so they cannot make a cycle.
     """
 
-    _last: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    # Kept on the graph itself: a table outside it would hold its ops, hence the graph, forever.
+    _ATTR = "_remat_last_state_ops"
+
+    @classmethod
+    def _table(cls, graph: tf.Graph) -> dict:
+        if not hasattr(graph, cls._ATTR):
+            setattr(graph, cls._ATTR, {})
+        return getattr(graph, cls._ATTR)
 
     @classmethod
     def last(cls, graph: tf.Graph, handle: tf.Tensor) -> tf.Operation | None:
-        return cls._last.get(graph, {}).get(handle.ref())
+        return cls._table(graph).get(handle.ref())
 
     @classmethod
     def chain(
@@ -208,7 +214,7 @@ class StateOrder:
             if current is None or (
                 tf_internals.creation_index(current) <= tf_internals.creation_index(previous)
             ):
-                cls._last.setdefault(graph, {})[handle.ref()] = previous
+                cls._table(graph)[handle.ref()] = previous
 
 
 KEPT_ATTR = "_remat_kept"  # on the identity of each kept value: what it was (for the report)
@@ -299,7 +305,7 @@ class Region:
         """
         self._cursor = 0
         graph = tf.compat.v1.get_default_graph()
-        start = len(graph.get_operations())
+        start = len(graph.get_operations()) if state else 0
         before = {h.ref(): StateOrder.last(graph, h) for h in state}
         with self._active("replay", dep):
             yield
