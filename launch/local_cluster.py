@@ -7,24 +7,126 @@ real cluster would get theirs. Their output is streamed with a `[worker i]` pref
 exits with the first failing worker's status (killing the others, which would otherwise wait
 forever in a collective), with 42 when the workers were preempted and saved a checkpoint, and 0
 when all finished. SIGTERM or SIGINT to the launcher is passed on to every worker.
+
+Two guarantees (Linux only):
+
+- Nothing outside the cluster can reach the workers' TensorFlow gRPC servers: no other machine,
+  and no other process of this one. TensorFlow (2.21 included) listens on every interface
+  (0.0.0.0, which gRPC makes [::] dual-stack), whatever host TF_CONFIG names, and has no setting
+  for the bind address. So before it starts any worker the launcher moves itself into a new
+  network namespace whose only interface is loopback (`isolate_network`); the workers inherit it
+  and reach each other on its 127.0.0.1. As root that is `unshare(CLONE_NEWNET)`; any other user
+  needs unprivileged user namespaces (`unshare(CLONE_NEWUSER | CLONE_NEWNET)`, uid and gid mapped
+  to themselves). Where neither is permitted the launcher starts no worker and exits with status 2
+  and one line on stderr: it does not fall back to exposing an unauthenticated service that runs
+  whatever graph it is sent. `--host_network` skips the namespace, with a warning; use it where
+  the workers need the network themselves (a `gs://` model_dir, a download) or where a profiler
+  must attach to them, since in the namespace they have loopback only.
+- No worker outlives the launcher, however the launcher ends: each is started with a parent-death
+  signal (`die_with_launcher`), so the kernel SIGKILLs it when the launcher exits, even when the
+  launcher itself was SIGKILLed.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import fcntl
 import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 STRATEGY_BINDING = "--gin.Trainer.strategy='multi_worker_mirrored'"
 PREEMPTED_EXIT_CODE = 42
 POLL_SECONDS = 0.2
+
+# Linux ABI constants: unshare(2) flags, prctl(2) option, netdevice(7) ioctls and flag.
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
+PR_SET_PDEATHSIG = 1
+SIOCGIFFLAGS = 0x8913
+SIOCSIFFLAGS = 0x8914
+IFF_UP = 0x1
+IFREQ = struct.Struct("16sH22x")  # struct ifreq: the interface name, then ifr_flags
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class IsolationError(RuntimeError):
+    """The workers cannot be given a private network on this machine."""
+
+
+def _unshare(flags: int) -> None:
+    if _libc.unshare(flags) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+
+
+def isolate_network() -> None:
+    """Moves this process (and so every child it starts) into a new network namespace.
+
+    The namespace has only a loopback interface, brought up here: servers in it that listen on
+    0.0.0.0 are reachable on its 127.0.0.1 and from nowhere else, not even from this machine's
+    own loopback. Root (CAP_SYS_ADMIN) only needs a network namespace; any other user needs a
+    user namespace too, in which it keeps its own uid and gid and, until the next exec, the
+    capability to bring up the interface. A new user namespace needs a single-threaded process:
+    call this before starting any thread. Raises `IsolationError` where neither is permitted.
+    """
+    uid, gid = os.geteuid(), os.getegid()
+    try:
+        try:
+            _unshare(CLONE_NEWNET)
+        except PermissionError:
+            _unshare(CLONE_NEWUSER | CLONE_NEWNET)
+            for name, text in [
+                ("setgroups", "deny"),
+                ("uid_map", f"{uid} {uid} 1"),
+                ("gid_map", f"{gid} {gid} 1"),
+            ]:
+                with open(f"/proc/self/{name}", "w") as file:
+                    file.write(text)
+        with socket.socket() as sock:
+            flags = IFREQ.unpack(fcntl.ioctl(sock, SIOCGIFFLAGS, IFREQ.pack(b"lo", 0)))[1]
+            fcntl.ioctl(sock, SIOCSIFFLAGS, IFREQ.pack(b"lo", flags | IFF_UP))
+    except OSError as error:
+        raise IsolationError(
+            f"cannot give the workers a private network namespace ({error}); without one their "
+            "TensorFlow servers listen on every interface. Allow unprivileged user namespaces, "
+            "or pass --host_network to run them exposed anyway"
+        ) from error
+
+
+def die_with_launcher() -> Callable[[], None]:
+    """A `preexec_fn` that makes the child get SIGKILL when the launcher exits.
+
+    PR_SET_PDEATHSIG is set in the forked child before it execs the worker and survives that
+    exec; the kernel sends the signal when the thread that forked the child ends (the launcher's
+    main thread, which starts every worker) for any reason, SIGKILL included. If the launcher is
+    already gone by the time the child sets it, the child kills itself. SIGKILL, not SIGTERM:
+    with the launcher gone nothing collects a worker's output or exit status, and SIGKILL is the
+    one signal sure to end it; it keeps its last periodic checkpoint.
+
+    The workers stay in the launcher's process group, as before: a terminal's Ctrl-C / Ctrl-Z and
+    a supervisor's `kill -- -PGID` reach the whole cluster directly. A separate group would help
+    only if the launcher could still kill it, which a SIGKILLed launcher cannot; the parent-death
+    signal covers exactly that case.
+    """
+    launcher = os.getpid()
+
+    def preexec() -> None:
+        if _libc.prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGKILL)) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != launcher:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
 
 
 def free_ports(count: int) -> list[int]:
@@ -71,11 +173,29 @@ def _stop(processes: Sequence[subprocess.Popen], grace_seconds: float) -> None:
             process.wait()
 
 
-def run_cluster(num_workers: int, train_args: Sequence[str], grace_seconds: float = 30.0) -> int:
-    """Starts the workers, streams their logs and returns the cluster's exit status."""
+def run_cluster(
+    num_workers: int,
+    train_args: Sequence[str],
+    grace_seconds: float = 30.0,
+    host_network: bool = False,
+) -> int:
+    """Starts the workers, streams their logs and returns the cluster's exit status.
+
+    Unless `host_network`, this process first moves into a private network namespace (see
+    `isolate_network`, which raises `IsolationError` where it cannot) and stays there.
+    """
+    if host_network:
+        print(
+            "[launcher] WARNING: --host_network: the workers' TensorFlow servers listen, "
+            "unauthenticated, on every interface of this machine",
+            file=sys.stderr,
+            flush=True,
+        )
+    else:
+        isolate_network()
     addresses = [f"127.0.0.1:{port}" for port in free_ports(num_workers)]
     processes = []
-    for index in range(num_workers):
+    for index in range(num_workers):  # all forks before any thread starts (preexec_fn)
         env = dict(os.environ, TF_CONFIG=tf_config(addresses, index))
         process = subprocess.Popen(
             worker_command(train_args),
@@ -84,10 +204,11 @@ def run_cluster(num_workers: int, train_args: Sequence[str], grace_seconds: floa
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
+            preexec_fn=die_with_launcher(),
         )
         processes.append(process)
-        threading.Thread(target=_stream, args=(process, f"[worker {index}]"), daemon=True).start()
     for index, (process, address) in enumerate(zip(processes, addresses)):
+        threading.Thread(target=_stream, args=(process, f"[worker {index}]"), daemon=True).start()
         print(f"[launcher] worker {index} pid {process.pid} at {address}", flush=True)
 
     forwarded = threading.Event()
@@ -126,13 +247,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="how long stopping workers get before SIGKILL",
     )
     parser.add_argument(
+        "--host_network",
+        action="store_true",
+        help="run the workers in this machine's network namespace: they can reach the network, "
+        "but their TensorFlow servers listen, unauthenticated, on every interface",
+    )
+    parser.add_argument(
         "train_args", nargs=argparse.REMAINDER, help="flags for framework.train, after --"
     )
     args = parser.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     if args.num_workers < 1:
         parser.error("--num_workers must be at least 1")
-    return run_cluster(args.num_workers, train_args, args.grace_seconds)
+    if not sys.platform.startswith("linux"):
+        parser.error("needs Linux (network namespaces, PR_SET_PDEATHSIG)")
+    try:
+        return run_cluster(args.num_workers, train_args, args.grace_seconds, args.host_network)
+    except IsolationError as error:
+        print(f"[launcher] {error}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,15 +1,22 @@
 """launch/local_cluster.py: real worker processes with TF_CONFIG on 127.0.0.1.
 
 The same global batch over 2 workers trains like one device; SIGTERM saves a checkpoint at a step
-both workers agree on and a restart resumes there; a SIGKILLed worker stops the launcher.
+both workers agree on and a restart resumes there; a SIGKILLed worker stops the launcher. The
+workers' servers cannot be reached from outside the cluster (for root and for an unprivileged
+user), a launcher that cannot ensure that refuses to start, and a SIGKILLed launcher takes its
+workers with it.
 """
 
+import ipaddress
 import json
+import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 import pytest
 import tensorflow as tf
@@ -22,9 +29,11 @@ from tests.subprocesses import REPO_DIR, child_env
 TINY_FLAGS = [*tiny.GIN_FLAGS, "--gin.Trainer.remat_policy='dots_saveable'"]
 
 
-def start_cluster(model_dir, *flags: str) -> subprocess.Popen:
+def start_cluster(model_dir, *flags: str, prefix: Sequence[str] = ()) -> subprocess.Popen:
+    """The launcher with 2 tiny workers; `prefix` is a command that runs it (unshare ...)."""
     return subprocess.Popen(
         [
+            *prefix,
             sys.executable,
             "launch/local_cluster.py",
             "--num_workers=2",
@@ -57,6 +66,78 @@ def wait_for(process: subprocess.Popen, pattern: str, timeout: float = 240) -> l
     raise AssertionError(f"no line matching {pattern!r}:\n" + "".join(lines[-40:]))
 
 
+def launcher_lines(lines: Sequence[str]) -> list[tuple[int, int]]:
+    """(pid, port) of every worker, from the launcher's `[launcher] worker i pid P at A:PORT`."""
+    found = re.findall(
+        r"^\[launcher\] worker \d+ pid (\d+) at 127\.0\.0\.1:(\d+)$", "".join(lines), re.M
+    )
+    return [(int(pid), int(port)) for pid, port in found]
+
+
+def non_loopback_ipv4() -> str | None:
+    """An IPv4 address of this machine that is not loopback, or None."""
+    candidates = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("192.0.2.1", 9))  # a documentation address: UDP connect sends nothing
+            candidates.append(sock.getsockname()[0])
+        except OSError:
+            pass
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
+        candidates += [info[4][0] for info in infos]
+    except OSError:
+        pass
+    return next((a for a in candidates if not ipaddress.ip_address(a).is_loopback), None)
+
+
+def refuses(address: str, port: int) -> bool:
+    try:
+        socket.create_connection((address, port), timeout=3).close()
+    except OSError:
+        return True
+    return False
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` still runs: a zombie (dead, not yet reaped by its new parent) does not."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/status") as status:
+            state = next(line for line in status if line.startswith("State:"))
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+    return state.split()[1] != "Z"
+
+
+def cannot_run(command: Sequence[str]) -> str | None:
+    """Why `command` fails on this machine, or None when it runs."""
+    try:
+        probe = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    except OSError as error:
+        return str(error)
+    if probe.returncode != 0:
+        return probe.stderr.strip() or f"exit status {probe.returncode}"
+    return None
+
+
+# Runs the launcher as uid 65534 of a user namespace, without capabilities: unshare(CLONE_NEWNET)
+# is refused, so it takes the path of a non-root user (a user namespace of its own).
+UNPRIVILEGED = ["unshare", "--user", "--map-user=65534", "--map-group=65534"]
+# Then a user namespace whose root has no capabilities and may create no namespace: a non-root
+# user where unprivileged user namespaces are disabled. Prefixes `sh -c SCRIPT sh COMMAND...`.
+NO_NAMESPACES = [
+    "unshare",
+    "--user",
+    "--map-root-user",
+    "sh",
+    "-c",
+    "echo 0 > /proc/sys/user/max_user_namespaces && "
+    'exec setpriv --inh-caps=-all --bounding-set=-all "$@"',
+    "sh",
+]
+
+
 def test_tf_config_names_every_worker_and_this_task():
     config = json.loads(local_cluster.tf_config(["127.0.0.1:1", "127.0.0.1:2"], 1))
     assert config == {
@@ -83,9 +164,21 @@ def test_two_workers_train_like_one_device_with_remat(tmp_path):
     assert abs(loss_mw - loss_one) / loss_one < 1e-4, (loss_mw, loss_one)
 
 
+def assert_reachable_only_inside_the_cluster(workers: list[tuple[int, int]]) -> None:
+    """The workers train, so they reach each other on 127.0.0.1:PORT; nothing outside their
+    network namespace reaches them: not another address of this machine, not the host's lo."""
+    assert len(workers) == 2
+    address = non_loopback_ipv4()
+    for _, port in workers:
+        if address is not None:
+            assert refuses(address, port), f"worker port {port} is open on {address}"
+        assert refuses("127.0.0.1", port), f"worker port {port} is open on the host's lo"
+
+
 def test_sigterm_saves_where_the_workers_agree_and_a_restart_resumes(tmp_path):
     cluster = start_cluster(tmp_path, "--gin.Trainer.train_steps=100000")
-    wait_for(cluster, r"\[worker 0\].*step 10/100000")
+    lines = wait_for(cluster, r"\[worker 1\].*step 10/100000")
+    assert_reachable_only_inside_the_cluster(launcher_lines(lines))
     cluster.send_signal(signal.SIGTERM)
     output = cluster.communicate(timeout=120)[0]
     assert cluster.returncode == local_cluster.PREEMPTED_EXIT_CODE, output[-3000:]
@@ -100,9 +193,13 @@ def test_sigterm_saves_where_the_workers_agree_and_a_restart_resumes(tmp_path):
     assert f"restored step {saved[0]}" in output
 
 
-def test_a_killed_worker_stops_the_launcher_and_the_restart_resumes(tmp_path):
-    cluster = start_cluster(tmp_path, "--gin.Trainer.train_steps=100000")
+def test_an_unprivileged_cluster_is_isolated_and_a_killed_worker_stops_the_launcher(tmp_path):
+    """As a user without capabilities (when this machine can run one), the launcher isolates its
+    workers through a user namespace; a SIGKILLed worker stops it and the restart resumes."""
+    prefix = [] if cannot_run([*UNPRIVILEGED, "true"]) else UNPRIVILEGED
+    cluster = start_cluster(tmp_path, "--gin.Trainer.train_steps=100000", prefix=prefix)
     lines = wait_for(cluster, r"\[worker 1\].*step 10/100000")
+    assert_reachable_only_inside_the_cluster(launcher_lines(lines))
     pid = int(re.search(r"worker 1 pid (\d+)", "".join(lines)).group(1))
     killed_at = time.monotonic()
     subprocess.run(["kill", "-KILL", str(pid)], check=True)
@@ -113,10 +210,35 @@ def test_a_killed_worker_stops_the_launcher_and_the_restart_resumes(tmp_path):
 
     last = int(tf.train.latest_checkpoint(tmp_path / "checkpoints").rsplit("-", 1)[1])
     assert last >= 10
-    restart = start_cluster(tmp_path, f"--gin.Trainer.train_steps={last + 5}")
+    restart = start_cluster(tmp_path, f"--gin.Trainer.train_steps={last + 5}", prefix=prefix)
     output = restart.communicate(timeout=300)[0]
     assert restart.returncode == 0, output[-3000:]
     assert f"restored step {last}" in output
+
+
+def test_a_launcher_that_cannot_isolate_the_workers_refuses_to_start(tmp_path):
+    if reason := cannot_run([*NO_NAMESPACES, "true"]):
+        pytest.skip(f"cannot set up a machine without user namespaces: {reason}")
+    cluster = start_cluster(tmp_path, prefix=NO_NAMESPACES)
+    output = cluster.communicate(timeout=60)[0]
+    assert cluster.returncode == 2, output
+    assert output.startswith("[launcher] cannot give the workers a private network namespace")
+    assert output.count("\n") == 1 and "--host_network" in output and "[worker" not in output
+
+
+def test_a_sigkilled_launcher_leaves_no_worker_running(tmp_path):
+    cluster = start_cluster(tmp_path, "--gin.Trainer.train_steps=100000")
+    pids = [pid for pid, _ in launcher_lines(wait_for(cluster, r"\[worker 1\].*step 10/100000"))]
+    assert len(pids) == 2 and all(alive(pid) for pid in pids)
+    cluster.kill()
+    cluster.communicate(timeout=30)
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = [pid for pid in pids if alive(pid)]
+    for pid in survivors:  # leave nothing training behind, then fail
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"workers {survivors} outlived their SIGKILLed launcher"
 
 
 @pytest.mark.parametrize("argv", [["--num_workers=0", "--", "--mode=train"]])
