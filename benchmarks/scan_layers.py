@@ -132,7 +132,9 @@ def format_report(results: list[dict], command: str, started: datetime.datetime,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--depths", default=",".join(map(str, DEPTHS)))
+    parser.add_argument(
+        "--depths", help=f"comma-separated (default {','.join(map(str, DEPTHS))}; 2,4 --quick)"
+    )
     parser.add_argument("--policies", default="random_masks_saveable")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per layout")
     parser.add_argument("--out", help="also write the report (markdown) to this file")
@@ -145,7 +147,8 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.child, args.policy, args.steps, args.quick)))
         return
-    depths = [2, 4] if args.quick else [int(d) for d in args.depths.split(",")]
+    default = (2, 4) if args.quick else DEPTHS
+    depths = [int(d) for d in args.depths.split(",")] if args.depths else list(default)
     started = datetime.datetime.now()
     results = []
     for policy in args.policies.split(","):

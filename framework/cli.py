@@ -3,17 +3,23 @@
 `python -m framework.train` and `python -m framework.plan` take the same config flags, so a plan
 is made for exactly the run that will be trained. The memory-budget flags live here too: the
 trainer uses them for `Trainer.remat_policy = "auto"`, the planner for its pick.
+
+Bad input ends in one `error:` line on stderr and exit status 2, from a flag, a gin file or a
+binding alike: absl's flag errors are reported that way too (`parse_flags`), not with its usage.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import gin
 from absl import flags
+from gin import config_parser
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # TensorFlow's C++ INFO lines drown the progress
 
@@ -61,10 +67,35 @@ flags.DEFINE_list(
     "decided in this order.",
 )
 FLAGS = flags.FLAGS
+USAGE_EXIT_CODE = 2
+# The statements of a gin file that run code or read files: refused in a run's config.gin.
+RUN_CODE = (config_parser.ImportStatement, config_parser.IncludeStatement)
 
 
 class UsageError(Exception):
     """Bad input on the command line or in a config: reported in one line, exit status 2."""
+
+
+def first_line(error: BaseException | str) -> str:
+    """The first line of an error's message: gin appends "In call to configurable ..." lines to
+    an exception raised inside a configurable, TensorFlow appends the graph nodes involved."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+def exit_with_error(error: BaseException | str, status: int = USAGE_EXIT_CODE) -> NoReturn:
+    """Ends the process with one `error:` line on stderr and `status`."""
+    print(f"error: {first_line(error)}", file=sys.stderr)
+    sys.exit(status)
+
+
+def parse_flags(argv: Sequence[str]) -> list[str]:
+    """absl's flag parsing for `app.run(..., flags_parser=parse_flags)`: a bad or unknown flag is
+    one `error:` line and status 2, like any other bad input (absl prints its usage, status 1)."""
+    try:
+        return FLAGS(list(argv))
+    except flags.Error as error:
+        exit_with_error(error)
 
 
 def split_gin_shorthand(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -93,6 +124,32 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Seque
     except (ValueError, SyntaxError, KeyError, TypeError, OSError) as error:
         message = " ".join(str(error).split())
         raise UsageError(f"bad gin configuration: {message}") from None
+
+
+def parse_run_config(text: str, source: str) -> None:
+    """Binds the `config.gin` a run recorded, with this project's registrations only.
+
+    A gin file is code: an `import` line imports (runs) any module on the path and `include`
+    reads another file. A model directory may come from anywhere, so reading a run's config must
+    not run either: both are refused before gin sees the text, and a name the project does not
+    register is an error instead of an import.
+    """
+    try:
+        delegate = gin.config.ParserDelegate(skip_unknown=False)
+        for statement in config_parser.ConfigParser(text, delegate):
+            if isinstance(statement, RUN_CODE):
+                where = statement.location
+                raise UsageError(
+                    f"{source}, line {where.line_num}: {where.line_content.strip()!r}: a run's "
+                    "config is read without running its imports or includes (gin files are "
+                    "code); register what it needs in framework/configurables.py instead"
+                )
+        gin.parse_config(text)
+    except (ValueError, SyntaxError, KeyError, TypeError) as error:
+        raise UsageError(
+            f"cannot read {source}: {first_line(error)} (a run's config may only use the names "
+            "this project registers)"
+        ) from None
 
 
 def prepare_model_dir(model_dir: str) -> None:

@@ -8,6 +8,7 @@ share before the sum. `ReducedGradientAdamW` therefore skips the sum Keras would
 from __future__ import annotations
 
 import keras
+import tensorflow as tf
 
 
 class ReducedGradientAdamW(keras.optimizers.AdamW):
@@ -15,6 +16,24 @@ class ReducedGradientAdamW(keras.optimizers.AdamW):
 
     def _all_reduce_sum_gradients(self, grads_and_vars):
         return grads_and_vars
+
+
+class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """A schedule times a variable, so a running trainer can lower its learning rate (after
+    rolling back a diverged run) without rebuilding the optimizer or retracing its step."""
+
+    def __init__(
+        self, schedule: keras.optimizers.schedules.LearningRateSchedule, scale: tf.Variable
+    ):
+        self.schedule = schedule
+        self.scale = scale
+
+    def __call__(self, step):
+        rate = self.schedule(step)
+        return rate * tf.cast(self.scale, rate.dtype)
+
+    def get_config(self) -> dict:
+        return {"schedule": self.schedule.get_config(), "scale": float(self.scale.numpy())}
 
 
 def warmup_cosine(
@@ -37,10 +56,13 @@ def adamw(
     warmup_steps: int = 0,
     weight_decay: float = 0.05,
     beta_2: float = 0.999,
+    scale: tf.Variable | None = None,
 ) -> ReducedGradientAdamW:
-    """AdamW on the warm-up + cosine schedule; norm and bias weights are not decayed."""
+    """AdamW on the warm-up + cosine schedule (times `scale`, when given); norm and bias
+    weights are not decayed."""
+    schedule = warmup_cosine(learning_rate, warmup_steps, total_steps)
     optimizer = ReducedGradientAdamW(
-        learning_rate=warmup_cosine(learning_rate, warmup_steps, total_steps),
+        learning_rate=schedule if scale is None else ScaledSchedule(schedule, scale),
         weight_decay=weight_decay,
         beta_2=beta_2,
     )

@@ -91,18 +91,17 @@ def main() -> None:
     try:
         argv, shorthand = cli.split_gin_shorthand(sys.argv)
     except cli.UsageError as error:
-        sys.exit(f"error: {error}")
+        cli.exit_with_error(error)
 
     def app_main(args: Sequence[str]) -> None:
         logging.getLogger().setLevel(logging.INFO)
         try:
             status = run(args, shorthand)
         except cli.UsageError as error:
-            print(f"error: {error}", file=sys.stderr)
-            sys.exit(2)
+            cli.exit_with_error(error)
         sys.exit(status)
 
-    app.run(app_main, argv=argv)
+    app.run(app_main, argv=argv, flags_parser=cli.parse_flags)
 
 
 if __name__ == "__main__":

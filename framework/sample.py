@@ -5,6 +5,10 @@ The model is rebuilt the way the run built it, from the run's own `DIR/config.gi
 the model: the optimizer's slots are not needed). Text is tokenized with the run's vocabulary:
 `data.TextCorpus.vocab_path` when the config records it, else `DIR/vocab.txt`.
 
+The run's `config.gin` is bound with this project's registrations only: a gin file is code, and
+a model directory may come from anywhere, so its `import` and `include` lines are refused rather
+than run (`cli.parse_run_config`).
+
 Each new token costs one forward pass over a fixed window of `max_length` tokens (one compiled
 program, no retracing); longer contexts keep their last `max_length` tokens.
 """
@@ -12,18 +16,21 @@ program, no retracing); longer contexts keep their last `max_length` tokens.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Sequence
 
 from absl import app, flags
 
-from framework import cli  # noqa: F401  (defines --model_dir, shared with the trainer)
+from framework import cli  # defines --model_dir, shared with the trainer
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 flags.DEFINE_string("prompt", "", "Text to continue; empty starts a new document.")
-flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 picks the likeliest token.")
-flags.DEFINE_integer("max_tokens", 64, "Tokens to generate (fewer if [EOS] comes first).")
+flags.DEFINE_float(
+    "temperature", 0.8, "Sampling temperature; 0 picks the likeliest token.", lower_bound=0.0
+)
+flags.DEFINE_integer(
+    "max_tokens", 64, "Tokens to generate (fewer if [EOS] comes first).", lower_bound=1
+)
 flags.DEFINE_integer("seed", 0, "Seed of the sampling.")
 FLAGS = flags.FLAGS
 
@@ -45,7 +52,8 @@ def load_run(model_dir: str):
     if not tf.io.gfile.exists(config):
         raise SampleError(f"{config} not found: is {model_dir!r} the model_dir of a training run?")
     gin.clear_config()
-    gin.parse_config_file(config, skip_unknown=True)
+    with tf.io.gfile.GFile(config) as f:
+        cli.parse_run_config(f.read(), config)
     try:
         vocab_path = gin.query_parameter("data.TextCorpus.vocab_path")
     except ValueError:
@@ -54,10 +62,19 @@ def load_run(model_dir: str):
         raise SampleError(f"the run's vocabulary {vocab_path} is missing")
     vocab = vocab_lib.load_vocab(vocab_path)
     model = gin.query_parameter("Trainer.model_fn").scoped_configurable_fn()
-    latest = tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints"))
-    if latest is None:
+    from framework import checkpoints
+
+    listing = checkpoints.list_checkpoints(os.path.join(model_dir, "checkpoints"))
+    try:
+        # The newest checkpoint that restores, as the trainer would resume from it.
+        restored = checkpoints.restore_newest(
+            listing,
+            lambda prefix: tf.train.Checkpoint(model=model).restore(prefix).expect_partial(),
+        )
+    except checkpoints.CheckpointError as error:
+        raise SampleError(str(error)) from None
+    if restored is None:
         raise SampleError(f"no checkpoint in {model_dir}/checkpoints: train first")
-    tf.train.Checkpoint(model=model).restore(latest).expect_partial()
     return model, vocab
 
 
@@ -108,14 +125,13 @@ def generate(
 
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
-        sys.exit(f"error: unexpected arguments: {' '.join(argv[1:])}")
+        cli.exit_with_error(f"unexpected arguments: {' '.join(argv[1:])}")
     if not FLAGS.model_dir:
-        sys.exit("error: --model_dir is required")
+        cli.exit_with_error("--model_dir is required")
     try:
         model, vocab = load_run(FLAGS.model_dir)
-    except (SampleError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    except (SampleError, cli.UsageError, ValueError) as error:
+        cli.exit_with_error(error)
     completion = generate(
         model,
         vocab,
@@ -128,4 +144,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

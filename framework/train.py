@@ -2,8 +2,12 @@
 
 With no `--gin_file` it runs the embedded default `quickstart.gin` (a small ViT on generated shapes,
 on the CPU) into `runs/quickstart`. The resolved config and the command line are written to the
-model directory (by the chief only, in a cluster). Problems the user can fix end in one line on
-stderr and exit status 2; a preempted run (SIGTERM) saves a checkpoint and exits with status 42.
+model directory (by the chief only, in a cluster), once the run is built: a config that fails to
+build leaves an earlier run's `config.gin` as it was. Problems the user can fix end in one line on
+stderr and exit status 2: bad flags or config, a full disk, a step that does not fit in device
+memory. A preempted run (SIGTERM) saves a checkpoint and exits with status 42; Ctrl-C saves one
+(when there is a finite state to save) and exits with status 130, as a shell's interrupted
+command does.
 
 `Trainer.remat_policy = "auto"` with `--memory_budget` runs the planner (`framework.plan`) first,
 over `--policies` at the config's batch size, and trains with its pick. The binary resolves "auto":
@@ -13,8 +17,11 @@ the Trainer and the remat library only ever see a real policy.
 from __future__ import annotations
 
 import datetime
+import errno
 import logging
+import re
 import shlex
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +34,11 @@ from framework.cli import UsageError, parse_gin, prepare_model_dir, split_gin_sh
 
 AUTO_POLICY = "auto"
 PREEMPTED_EXIT_CODE = 42  # what TensorFlow's own preemption handling uses for "restart me"
+INTERRUPTED_EXIT_CODE = 130  # a shell's status for a command ended by SIGINT (128 + 2)
+REQUIRED_BINDINGS = ("Trainer.model_fn", "Trainer.dataset_fn")
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+# How TensorFlow's file system errors spell those errnos: "<path>; No space left on device".
+DISK_FULL = re.compile(r"([^\s;]*);? (No space left on device|File too large|Disk quota exceeded)")
 
 flags.DEFINE_enum("mode", "train_and_eval", ["train", "eval", "train_and_eval"], "What to run.")
 FLAGS = flags.FLAGS
@@ -46,12 +58,63 @@ def write_run_record(model_dir: str, config: str, command: str) -> None:
     logging.info("operative gin config:\n%s", config)
 
 
-def _wants_auto_policy() -> bool:
+class Interrupted(Exception):
+    """Ctrl-C: reported in one line, exit status 130."""
+
+
+def _binding(name: str) -> object:
+    """The value gin binds to `name`, or None when nothing binds it."""
     try:
-        policy = gin.query_parameter("Trainer.remat_policy")
-    except ValueError:  # not bound
-        return False
+        return gin.query_parameter(name)
+    except ValueError:
+        return None
+
+
+def check_required_bindings() -> None:
+    """A config with no model or no data set (an empty gin file) is bad input: gin would stop
+    with a RuntimeError and its traceback when the Trainer is called."""
+    missing = [name for name in REQUIRED_BINDINGS if _binding(name) is None]
+    if missing:
+        raise UsageError(
+            f"the config does not set {' or '.join(missing)}: is a gin file empty? "
+            "configs/quickstart.gin shows a complete one"
+        )
+
+
+def _wants_auto_policy() -> bool:
+    policy = _binding("Trainer.remat_policy")
     return isinstance(policy, str) and policy.strip().lower() == AUTO_POLICY
+
+
+def out_of_resources(error: Exception, model_dir: str) -> str | None:
+    """One line for a full disk or a step too large for the device's memory, the two resource
+    errors fixed by changing the run rather than the code; None for any other error.
+
+    TensorFlow raises ResourceExhaustedError for both (a full disk is errno ENOSPC, which it maps
+    there too), and OutOfRangeError for a file over its size limit (EFBIG), so they are told
+    apart by the message.
+    """
+    import tensorflow as tf
+
+    found = DISK_FULL.search(str(error))
+    if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
+        where, reason = error.filename, error.strerror
+    elif isinstance(error, tf.errors.OpError) and found:
+        where, reason = found.group(1), found.group(2)
+    elif isinstance(error, tf.errors.ResourceExhaustedError):
+        return (
+            f"out of device memory: {cli.first_line(error)[:200]}. Try a remat policy "
+            "(--gin.Trainer.remat_policy=\"'nothing_saveable'\") or a smaller "
+            "Trainer.global_batch_size; python -m framework.plan --memory_budget=... finds the "
+            "fastest setting that fits"
+        )
+    else:
+        return None
+    return (
+        f"cannot write {where or f'to {model_dir}'}: {reason}. Free disk space (or raise the file "
+        "size limit, or use another --model_dir) and run the same command again: it resumes from "
+        "the newest checkpoint"
+    )
 
 
 def resolve_auto_policy(files: Sequence[str], bindings: Sequence[str], model_dir: str) -> None:
@@ -88,51 +151,87 @@ def resolve_auto_policy(files: Sequence[str], bindings: Sequence[str], model_dir
         gin.bind_parameter("Trainer.remat_policy", plan.pick.policy)
 
 
+def _save_interrupted(run_trainer) -> str:
+    """Saves the interrupted run (see `Trainer.save_interrupted`); the line that reports it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the save short
+    saved = run_trainer.save_interrupted()
+    if saved is None:
+        return (
+            f"interrupted at step {run_trainer.step}; not saved (nothing trained yet, a "
+            "non-finite state, or several workers, which save only on SIGTERM)"
+        )
+    return f"interrupted at step {run_trainer.step}; saved {saved}: the same command resumes"
+
+
+def _build_and_run(model_dir: str) -> dict[str, float]:
+    """Builds the Trainer from the parsed config, records the run, then runs --mode."""
+    from framework import trainer
+
+    try:
+        run_trainer = trainer.Trainer(model_dir)
+    except (ValueError, TypeError) as error:
+        raise UsageError(f"cannot build the run: {cli.first_line(error)}") from None
+    # Only now, with the config built: a bad one never replaces an earlier run's record.
+    if run_trainer.is_chief:  # one record per cluster
+        write_run_record(model_dir, gin.operative_config_str(), shlex.join(sys.argv))
+    try:
+        if FLAGS.mode == "train":
+            return run_trainer.train()
+        if FLAGS.mode == "eval":
+            return run_trainer.evaluate()
+        return run_trainer.train_and_evaluate()
+    except KeyboardInterrupt:
+        raise Interrupted(_save_interrupted(run_trainer)) from None
+
+
 def run(argv: Sequence[str], gin_shorthand: Sequence[str]) -> dict[str, float]:
     """Configures and runs the trainer for the parsed flags; returns the final metrics."""
     files, bindings = cli.gin_inputs(argv, gin_shorthand)
     model_dir = cli.model_dir_flag()
 
+    import tensorflow as tf
+
     import framework.configurables  # noqa: F401  (registers the gin names)
-    from framework import trainer
+    from framework import trainer  # noqa: F401  (registers Trainer)
 
     parse_gin(files, bindings, FLAGS.gin_search_paths)
+    check_required_bindings()
     prepare_model_dir(model_dir)
     resolve_auto_policy(files, bindings, model_dir)
     try:
-        run_trainer = trainer.Trainer(model_dir)
-    except (ValueError, TypeError) as error:
-        raise UsageError(f"cannot build the run: {error}") from None
-    if run_trainer.is_chief:  # one record per cluster
-        write_run_record(model_dir, gin.operative_config_str(), shlex.join(sys.argv))
-    if FLAGS.mode == "train":
-        return run_trainer.train()
-    if FLAGS.mode == "eval":
-        return run_trainer.evaluate()
-    return run_trainer.train_and_evaluate()
+        return _build_and_run(model_dir)
+    except (OSError, tf.errors.OpError) as error:
+        message = out_of_resources(error, model_dir)
+        if message is None:
+            raise
+        raise UsageError(message) from None
 
 
 def main() -> None:
     """Entry point: `python -m framework.train`."""
-    from framework.trainer import PreemptedError, TrainerError
-
     try:
         argv, shorthand = split_gin_shorthand(sys.argv)
     except UsageError as error:
-        sys.exit(f"error: {error}")
+        cli.exit_with_error(error)
 
     def app_main(args: Sequence[str]) -> None:
+        from framework.trainer import PreemptedError, TrainerError  # after the flags: TF is slow
+
         logging.getLogger().setLevel(logging.INFO)
         try:
             run(args, shorthand)
         except (UsageError, TrainerError) as error:
-            print(f"error: {error}", file=sys.stderr)
-            sys.exit(2)
+            cli.exit_with_error(error)
+        except Interrupted as interrupted:
+            cli.exit_with_error(interrupted, INTERRUPTED_EXIT_CODE)
         except PreemptedError as preempted:
             logging.info("%s", preempted)
             sys.exit(PREEMPTED_EXIT_CODE)
 
-    app.run(app_main, argv=argv)
+    try:
+        app.run(app_main, argv=argv, flags_parser=cli.parse_flags)
+    except KeyboardInterrupt:  # before the Trainer was built: there is nothing to save
+        cli.exit_with_error("interrupted before training started", INTERRUPTED_EXIT_CODE)
 
 
 if __name__ == "__main__":

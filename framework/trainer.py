@@ -27,7 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from framework import distribute, memory, optim, remat, xla
+from framework import checkpoints, checks, distribute, memory, optim, remat, run_lock, xla
 
 PRECISIONS = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
 
@@ -73,10 +73,13 @@ class Trainer:
         eval_every: int | None = None,
         checkpoint_every: int | None = None,
         keep_checkpoints: int = 3,
+        lock_lease_seconds: float = run_lock.DEFAULT_LEASE_SECONDS,
         learning_rate: float = 1e-3,
         warmup_steps: int = 0,
         weight_decay: float = 0.05,
         clip_norm: float | None = 1.0,
+        divergence_rollbacks: int = 0,
+        rollback_learning_rate_factor: float = 0.5,
         precision: str = "float32",
         remat_policy: str | remat.policies.Policy | None = None,
         strategy: str = "one_device",
@@ -93,13 +96,37 @@ class Trainer:
             raise ValueError(
                 f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}"
             )
-        if min(global_batch_size, train_steps, steps_per_loop) < 1:
-            raise ValueError("global_batch_size, train_steps and steps_per_loop must be positive")
+        # Gin passes any value: check types and ranges before anything is built.
+        checks.integer("Trainer.global_batch_size", global_batch_size)
+        checks.integer("Trainer.train_steps", train_steps)
+        checks.integer("Trainer.steps_per_loop", steps_per_loop)
+        checks.integer("Trainer.eval_every", eval_every, optional=True)
+        checks.integer("Trainer.checkpoint_every", checkpoint_every, optional=True)
+        checks.integer("Trainer.keep_checkpoints", keep_checkpoints, optional=True)
+        checks.integer("Trainer.warmup_steps", warmup_steps, minimum=0)
+        checks.integer("Trainer.cpu_devices", cpu_devices, optional=True)
+        checks.integer("Trainer.seed", seed, minimum=0)
+        checks.number("Trainer.learning_rate", learning_rate)
+        checks.number("Trainer.weight_decay", weight_decay, inclusive=True)
+        checks.number("Trainer.clip_norm", clip_norm, optional=True)
+        checks.integer("Trainer.divergence_rollbacks", divergence_rollbacks, minimum=0)
+        checks.number(
+            "Trainer.rollback_learning_rate_factor", rollback_learning_rate_factor, maximum=1.0
+        )
+        checks.boolean("Trainer.tpu_node", tpu_node)
+        checks.number("Trainer.lock_lease_seconds", lock_lease_seconds)
         xla.set_xla_flags(xla_flags, tf_xla_flags, libtpu_flags)
         self.strategy = distribute.create_strategy(
             strategy, cpu_devices, collectives=collectives, tpu=tpu, tpu_node=tpu_node
         )
         self.is_chief = distribute.is_chief(self.strategy)
+        # One writer per model_dir, taken before anything is built or written.
+        self._lock = run_lock.RunLock(model_dir, lease_seconds=lock_lease_seconds)
+        if self.is_chief:
+            try:
+                self._lock.acquire()
+            except run_lock.LockError as error:
+                raise TrainerError(str(error)) from None
         replicas = self.strategy.num_replicas_in_sync
         if global_batch_size % replicas:
             raise ValueError(
@@ -113,6 +140,8 @@ class Trainer:
         self.eval_every = eval_every
         self.checkpoint_every = checkpoint_every or steps_per_loop
         self.clip_norm = clip_norm
+        self._rollbacks_left = divergence_rollbacks
+        self._rollback_factor = rollback_learning_rate_factor
         self.traces: collections.Counter[str] = collections.Counter()
         # Peak memory is logged per loop for the first replica's device, if its allocator counts.
         self._memory_device = distribute.first_device(self.strategy)
@@ -127,8 +156,14 @@ class Trainer:
             if remat_policy is not None:
                 blocks = remat.set_grad_checkpointing(self.model, policy=remat_policy)
                 logging.info("remat policy %s on %d blocks", remat_policy, len(blocks))
+            # Lowered by a divergence rollback; saved with the checkpoints so a restart keeps it.
+            self.learning_rate_scale = tf.Variable(1.0, trainable=False, name="lr_scale")
             self.optimizer = optim.adamw(
-                learning_rate, train_steps, warmup_steps=warmup_steps, weight_decay=weight_decay
+                learning_rate,
+                train_steps,
+                warmup_steps=warmup_steps,
+                weight_decay=weight_decay,
+                scale=self.learning_rate_scale,
             )
             self.optimizer.build(self.model.trainable_variables)
         logging.info(
@@ -140,16 +175,20 @@ class Trainer:
 
         # Every worker restores from model_dir and saves (saving is collective), but only the
         # chief writes into model_dir: the others write to a temporary directory of their own.
-        checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
+        self._finite_state: Callable | None = None
         self.checkpoint_dir = os.path.join(model_dir, "checkpoints")
+        self._restore(at_start=True)  # first: it repairs the index the manager reads
         write_dir = self.checkpoint_dir if self.is_chief else tempfile.mkdtemp(prefix="ckpt-")
         self.checkpoints = tf.train.CheckpointManager(
-            checkpoint,
+            tf.train.Checkpoint(
+                model=self.model,
+                optimizer=self.optimizer,
+                learning_rate_scale=self.learning_rate_scale,
+            ),
             write_dir,
             max_to_keep=keep_checkpoints,
             step_counter=self.optimizer.iterations,
         )
-        self._restore(checkpoint)
         # TensorFlow's handler makes all workers agree on the step to save at after a SIGTERM.
         self._preemption = tf.distribute.experimental.PreemptionCheckpointHandler(
             self.strategy.cluster_resolver,
@@ -161,7 +200,6 @@ class Trainer:
         # Built now, so a bad data configuration fails before training and gin records it.
         self._eval_dataset = self._distributed_dataset("eval")
         self._train_loop = tf.function(self._train_loop_fn)
-        self._finite_state: Callable | None = None
         self._eval_loop = tf.function(self._eval_loop_fn)
         self._writers = {
             split: tf.summary.create_file_writer(os.path.join(model_dir, split))
@@ -174,27 +212,42 @@ class Trainer:
     def step(self) -> int:
         return int(self.optimizer.iterations.numpy())
 
-    def _latest_checkpoint(self) -> str | None:
-        """The newest checkpoint model_dir lists, whether or not its files are all there."""
-        state = tf.train.get_checkpoint_state(self.checkpoint_dir)
-        return state.model_checkpoint_path if state else None
+    def _restore(self, at_start: bool) -> str | None:
+        """Restores the newest checkpoint in model_dir that restores and is finite; returns it.
 
-    def _restore(self, checkpoint: tf.train.Checkpoint) -> None:
-        """Resumes from the newest checkpoint in model_dir; refuses to start over a broken one."""
-        latest = self._latest_checkpoint()
-        if latest is None:
-            logging.info("no checkpoint in %s: starting from scratch", self.checkpoint_dir)
-            return
+        Checkpoints are found from their files, not only from the index file, so a lost index
+        is not a fresh start; a damaged checkpoint (TensorFlow checks each tensor's checksum)
+        or a non-finite one is skipped for the one before it; and a model_dir whose checkpoints
+        all fail stops the run (TrainerError) instead of starting over them.
+        """
+        listing = checkpoints.list_checkpoints(self.checkpoint_dir)
+        if at_start and self.is_chief:  # the lock is held: no save is running
+            for path in checkpoints.remove_temporary(listing):
+                logging.info("removed %s, left by an interrupted save", path)
+
+        def restore(prefix: str) -> None:
+            tf.train.Checkpoint(model=self.model, optimizer=self.optimizer).restore(
+                prefix
+            ).assert_existing_objects_matched().expect_partial()  # (the rest: below, TF's own)
+            # Apart, as checkpoints written before it existed lack it (they mean a scale of 1).
+            self.learning_rate_scale.assign(1.0)
+            tf.train.Checkpoint(learning_rate_scale=self.learning_rate_scale).restore(
+                prefix
+            ).expect_partial()
+            if not self._state_is_finite():
+                raise ValueError("it holds non-finite values (saved by a diverged run)")
+
         try:
-            checkpoint.restore(latest).assert_existing_objects_matched()
-        except Exception as error:  # noqa: BLE001 (TF raises many types for a bad file)
-            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            raise TrainerError(
-                f"cannot restore checkpoint {latest}: {reason}. It may be "
-                "corrupted or from another model. Move it away (or use another --model_dir) and "
-                "start again; nothing was deleted."
-            ) from None
-        logging.info("restored step %d from %s", self.step, latest)
+            restored = checkpoints.restore_newest(listing, restore)
+        except checkpoints.CheckpointError as error:
+            raise TrainerError(str(error)) from None
+        if restored is None:
+            logging.info("no checkpoint in %s: starting from scratch", self.checkpoint_dir)
+            return None
+        if at_start and self.is_chief and checkpoints.repair_index(listing, restored):
+            logging.warning("rewrote %s/checkpoint to name %s", self.checkpoint_dir, restored)
+        logging.info("restored step %d from %s", self.step, restored)
+        return restored
 
     def _distributed_dataset(self, split: str, start_step: int = 0):
         def dataset_for_pipeline(context: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -351,7 +404,11 @@ class Trainer:
             }
             if tracker.result is not None:
                 metrics["peak_memory_mib"] = tracker.result.peak_bytes / 2**20
-            self._check_finite(metrics["loss"])
+            if not (math.isfinite(metrics["loss"]) and self._state_is_finite()):
+                self._roll_back(metrics["loss"])  # or raises
+                start, run_start = self.step, time.perf_counter()
+                iterator = self.train_iterator()
+                continue
             self._write_summaries("train", metrics)
             remaining = (stop - self.step) / max(
                 (self.step - start) / (time.perf_counter() - run_start), 1e-9
@@ -368,6 +425,7 @@ class Trainer:
                 f"{metrics['peak_memory_mib']:.0f} MiB" if "peak_memory_mib" in metrics else "n/a",
                 _format_duration(remaining),
             )
+            self._check_lock()
             if self.step % self.checkpoint_every == 0 or self.step >= stop:
                 self.checkpoints.save(checkpoint_number=self.step)
             self._preemption.save_checkpoint_if_preempted(checkpoint_number=self.step)
@@ -384,19 +442,56 @@ class Trainer:
         self.train()
         return self.evaluate()
 
+    def save_interrupted(self) -> str | None:
+        """Saves the current step after Ctrl-C, so that the same command resumes there rather
+        than at the last periodic checkpoint; returns the checkpoint holding this step, or None.
+
+        The step counter and the weights change together, only inside a compiled loop, so a built
+        trainer is always at a loop boundary. Not saved: step 0 (nothing trained), a non-finite
+        state (never saved, see `_roll_back`), and a run of several workers, whose saving is
+        collective (one worker alone would wait for the others forever; they save on SIGTERM).
+        """
+        resolver = self.strategy.cluster_resolver
+        tasks = resolver.cluster_spec().as_dict() if resolver else {}
+        if sum(map(len, tasks.values())) > 1 or self.step == 0 or not self._state_is_finite():
+            return None
+        self._check_lock()
+        latest = self.checkpoints.latest_checkpoint
+        if latest is not None and latest.endswith(f"-{self.step}"):
+            return latest
+        return self.checkpoints.save(checkpoint_number=self.step)
+
     def _preempted(self) -> None:
         raise PreemptedError(self.step)
 
-    def _check_finite(self, loss: float) -> None:
-        """Stops a diverged run before it saves: a finite loss is not enough, as the loop's last
-        update may already have made the weights or the optimizer state non-finite."""
-        if math.isfinite(loss) and self._state_is_finite():
-            return
+    def _roll_back(self, loss: float) -> None:
+        """Handles a diverged loop, whose state is never saved: a finite loss is not enough, as
+        the loop's last update may already have made the weights or the optimizer state
+        non-finite. With `divergence_rollbacks` left, restores the newest finite checkpoint and
+        scales the learning rate by `rollback_learning_rate_factor`, as large-scale trainers
+        do; otherwise stops with a TrainerError that names the checkpoint to resume from."""
         what = (
             f"the loss became {loss}"
             if not math.isfinite(loss)
             else "the weights became non-finite"
         )
+        if self._rollbacks_left > 0:
+            diverged_at = self.step
+            restored = self._restore(at_start=False)
+            if restored is not None:
+                self._rollbacks_left -= 1
+                self.learning_rate_scale.assign(self.learning_rate_scale * self._rollback_factor)
+                logging.warning(
+                    "%s before step %d: rolled back to %s with the learning rate scaled by "
+                    "%g (now %g of the schedule); %d rollback(s) left",
+                    what,
+                    diverged_at,
+                    restored,
+                    self._rollback_factor,
+                    float(self.learning_rate_scale.numpy()),
+                    self._rollbacks_left,
+                )
+                return
         latest = self._newest_finite_checkpoint()
         kept = (
             f"the last good checkpoint {latest} is kept"
@@ -406,7 +501,7 @@ class Trainer:
         raise TrainerError(
             f"{what} before step {self.step}: training diverged and this state was not saved; "
             f"{kept}. Lower Trainer.learning_rate, raise Trainer.warmup_steps or set "
-            "Trainer.clip_norm, and run again to resume from it."
+            "Trainer.clip_norm (or Trainer.divergence_rollbacks), and run again to resume from it."
         )
 
     def _state_is_finite(self) -> bool:
@@ -427,11 +522,18 @@ class Trainer:
             self._finite_state = tf.function(finite)
         return bool(self._finite_state())
 
+    def _check_lock(self) -> None:
+        """Stops before a save if another run took model_dir over (see `run_lock`)."""
+        if self.is_chief:
+            try:
+                self._lock.check()
+            except run_lock.LockError as error:
+                raise TrainerError(str(error)) from None
+
     def _newest_finite_checkpoint(self) -> str | None:
         """The newest checkpoint in model_dir whose floating-point values are all finite (one
         written before this check existed may not be)."""
-        state = tf.train.get_checkpoint_state(self.checkpoint_dir)
-        for path in reversed(list(state.all_model_checkpoint_paths) if state else []):
+        for path in reversed(checkpoints.list_checkpoints(self.checkpoint_dir).committed):
             try:
                 reader = tf.train.load_checkpoint(path)
                 values = (reader.get_tensor(name) for name in reader.get_variable_to_shape_map())

@@ -11,6 +11,20 @@ import sys
 from tests.subprocesses import REPO_DIR, child_env
 
 
+def run_benchmark(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Runs `benchmarks/SCRIPT ARGS` in a fresh interpreter; fails the test if it fails."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO_DIR / "benchmarks" / script), *args],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return proc
+
+
 def _table_rows(text: str, model: str) -> dict[str, list[str]]:
     """Table rows of `model`, keyed by setting, as lists of cells."""
     rows = {}
@@ -23,18 +37,13 @@ def _table_rows(text: str, model: str) -> dict[str, list[str]]:
 
 def test_remat_policies_quick(tmp_path):
     out = tmp_path / "remat_policies.md"
-    command = [
-        sys.executable,
-        str(REPO_DIR / "benchmarks" / "remat_policies.py"),
+    run_benchmark(
+        "remat_policies.py",
         "--quick",
         "--models=stack",
         "--settings=none,nothing_saveable",
         f"--out={out}",
-    ]
-    proc = subprocess.run(
-        command, env=child_env(), capture_output=True, text=True, timeout=300, check=False
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
     report = out.read_text()
     assert report.startswith("Command: `python benchmarks/remat_policies.py --quick")
     assert "Machine: " in report and "TensorFlow 2." in report
@@ -50,18 +59,13 @@ def test_remat_policies_quick(tmp_path):
 
 
 def test_profile_step_quick():
-    command = [
-        sys.executable,
-        str(REPO_DIR / "benchmarks" / "profile_step.py"),
+    proc = run_benchmark(
+        "profile_step.py",
         "--quick",
         "--model=stack",
         "--settings=none,nothing_saveable",
         "--steps=1",
-    ]
-    proc = subprocess.run(
-        command, env=child_env(), capture_output=True, text=True, timeout=300, check=False
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| operation kind | no remat ms | `nothing_saveable` ms |" in proc.stdout, proc.stdout
     rows = {}
     for line in proc.stdout.splitlines():
@@ -78,23 +82,38 @@ def test_profile_step_quick():
 
 def test_scan_layers_quick(tmp_path):
     out = tmp_path / "scan_layers.md"
-    command = [sys.executable, str(REPO_DIR / "benchmarks" / "scan_layers.py"), "--quick"]
-    proc = subprocess.run(
-        command + [f"--out={out}", "--steps=1"],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_benchmark("scan_layers.py", "--quick", f"--out={out}", "--steps=1", "--depths=2")
     report = out.read_text()
     assert report.startswith("Command: `python benchmarks/scan_layers.py --quick")
-    rows = [
-        line for line in report.splitlines() if line.startswith("| 2 ") or line.startswith("| 4 ")
-    ]
-    assert len(rows) == 2, report
+    rows = [line for line in report.splitlines() if line.startswith("| 2 ")]
+    assert len(rows) == 1, report
     for row in rows:
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         # depth, policy, compile s (2), XLA temp (2), peak (2), step s, ratio: all measured.
         assert all(float(c) >= 0 for c in cells[2:]), row
+
+
+def test_faults_quick_kills_resumes_and_loses_nothing(tmp_path):
+    """A SIGKILL while training: the restart takes over the lock and resumes, at most one
+    checkpoint interval is lost, and every checkpoint left passes its checksum."""
+    out = tmp_path / "faults.md"
+    run_benchmark(
+        "faults.py",
+        "--quick",
+        "--cycles=1",
+        "--from_first_step",
+        "--min_seconds=0.5",
+        "--max_seconds=2",
+        "--signals=KILL",
+        f"--out={out}",
+        timeout=600,
+    )
+    rows = dict(
+        line.strip("|").split("|")[:2] for line in out.read_text().splitlines() if "|" in line
+    )
+    rows = {key.strip(): value.strip() for key, value in rows.items()}
+    assert rows["runs resumed from a checkpoint"] == "1", rows
+    assert rows["locks of killed runs taken over"] == "1", rows
+    assert rows["fresh starts over existing checkpoints"] == "0", rows
+    assert rows["checkpoints failing their checksum"].startswith("0 of "), rows
+    assert rows["final step"] == "600 of 600", rows

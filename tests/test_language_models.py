@@ -1,15 +1,20 @@
 """Decoder LM and BERT encoder: sizes, document-local attention, checkpoints, remat, training."""
 
 import functools
+import os
+import subprocess
+import sys
 
+import gin
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from framework import remat, sample, trainer
-from framework.data import text
+from framework.data import text, vocab
 from framework.models import language
+from tests.subprocesses import REPO_DIR, child_env
 
 TINY = dict(vocab_size=64, max_length=16, dim=32, depth=2, num_heads=4, mlp_dim=48)
 BUILDERS = {"decoder": language.DecoderLM, "bert": language.BertEncoder}
@@ -156,3 +161,77 @@ def test_tiny_decoder_learns_text_traces_once_and_samples(tmp_path):
         run.model, vocab_list, "the quick", max_tokens=6, temperature=0
     )
     sample.generate(run.model, vocab_list, "", max_tokens=4, temperature=1.0, seed=3)
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """What `framework.sample` reads of a training run: config.gin, vocab.txt, a checkpoint."""
+    run = tmp_path / "run"
+    model = language.DecoderLM(**TINY)
+    model(_rows(np.ones((1, 16)), np.ones((1, 16))))
+    tf.train.Checkpoint(model=model).save(str(run / "checkpoints" / "ckpt"))
+    vocab.save_vocab([*vocab.RESERVED_TOKENS, *"abcdefgh"], str(run / "vocab.txt"))
+    bindings = "\n".join(f"models.DecoderLM.{name} = {value}" for name, value in TINY.items())
+    (run / "config.gin").write_text(f"Trainer.model_fn = @models.DecoderLM\n{bindings}\n")
+    return run
+
+
+def sample_binary(*args: str, pythonpath: str = "") -> subprocess.CompletedProcess:
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env["PYTHONPATH"], pythonpath]))
+    return subprocess.run(
+        [sys.executable, "-m", "framework.sample", *args],
+        cwd=REPO_DIR,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def error_line(result: subprocess.CompletedProcess) -> str:
+    """The one `error:` line of a sample run that ended with status 2."""
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def test_sample_loads_the_run_it_is_given(run_dir):
+    try:
+        model, vocab_list = sample.load_run(str(run_dir))
+    finally:
+        gin.clear_config()
+    assert model.max_length == TINY["max_length"] and vocab_list[-1] == "h"
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [("--max_tokens=-3", "-3 is not a positive integer"), ("--temperature=-1", "non-negative")],
+)
+def test_sample_flags_out_of_range_are_one_line(flag, message, tmp_path):
+    assert message in error_line(sample_binary(f"--model_dir={tmp_path}", flag))
+
+
+def test_sample_on_a_truncated_checkpoint_is_one_line(run_dir):
+    data = next((run_dir / "checkpoints").glob("ckpt-1.data-*"))
+    data.write_bytes(data.read_bytes()[:100])
+    assert "cannot be restored" in error_line(sample_binary(f"--model_dir={run_dir}"))
+
+
+def test_sample_does_not_run_the_imports_of_a_run_config(run_dir, tmp_path):
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "marker_module.py").write_text(
+        "import pathlib\npathlib.Path(__file__).with_name('IMPORTED').touch()\n"
+    )
+    config = run_dir / "config.gin"
+    config.write_text("import marker_module\n" + config.read_text())
+    result = sample_binary(f"--model_dir={run_dir}", pythonpath=str(modules))
+    assert "line 1: 'import marker_module'" in error_line(result)
+    assert not (modules / "IMPORTED").exists()
+    imported = subprocess.run(
+        [sys.executable, "-c", "import marker_module"], cwd=modules, check=True
+    )
+    assert imported.returncode == 0 and (modules / "IMPORTED").exists()  # the marker works

@@ -154,6 +154,35 @@ def test_missing_file_is_one_clear_error(tmp_path):
         text.read_documents([str(tmp_path / "nowhere.txt")])
 
 
+def test_a_directory_in_files_is_one_clear_error(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "b.txt").write_text("a document\n")
+    with pytest.raises(ValueError, match=r"'.*docs' in files is a directory.*docs/\*\.txt"):
+        text.list_files([str(tmp_path / "docs")])
+    assert text.list_files(str(tmp_path / "*")) == [str(tmp_path / "b.txt")]
+
+
+@pytest.mark.parametrize(
+    "overrides, error, message",
+    [
+        ({"files": 3}, TypeError, "TextCorpus.files must be a path or glob pattern"),
+        ({"vocab_path": None}, ValueError, "set TextCorpus.vocab_path"),
+        ({"vocab_size": "8k"}, TypeError, "TextCorpus.vocab_size must be a positive integer"),
+        ({"sequence_length": 1}, ValueError, "TextCorpus.sequence_length must be an integer >= 2"),
+        ({"eval_fraction": 1.5}, ValueError, "TextCorpus.eval_fraction must be a number > 0 and <"),
+        ({"log_stats": "no"}, TypeError, "TextCorpus.log_stats must be True or False, got 'no'"),
+    ],
+)
+def test_bad_corpus_arguments_name_the_parameter(tmp_path, overrides, error, message):
+    with pytest.raises(error, match=message):
+        text.TextCorpus(**{"files": "a.txt", "vocab_path": str(tmp_path / "v.txt"), **overrides})
+
+
+def test_bad_mask_rate_names_the_parameter(corpus):
+    with pytest.raises(ValueError, match="text_mlm.mask_rate must be a number > 0 and < 1, got 0"):
+        text.text_mlm("train", 2, corpus=corpus, mask_rate=0)
+
+
 def test_empty_corpus_is_one_clear_error(tmp_path):
     (tmp_path / "empty.txt").write_text("\n   \n\n")
     corpus = text.TextCorpus(

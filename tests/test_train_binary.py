@@ -1,13 +1,19 @@
 """`python -m framework.train`: flags, gin, the run record, and one-line errors for bad input."""
 
+import errno
+import hashlib
+import re
+import signal
 import subprocess
 import sys
+import threading
 
 import gin
 import pytest
+import tensorflow as tf
 
 import framework.configurables  # noqa: F401  (registers the gin names)
-from framework import cli, trainer  # noqa: F401  (registers Trainer)
+from framework import cli, train, trainer
 from tests.subprocesses import REPO_DIR, child_env
 
 TINY_RUN = [
@@ -24,9 +30,25 @@ TINY_RUN = [
 ]
 
 
-def run_binary(*args: str) -> subprocess.CompletedProcess:
+# Runs the binary with files limited to 16 KiB, as a full disk would: a write past the limit fails
+# with EFBIG (SIGXFSZ, which would kill the process, is ignored). The run record and summaries
+# fit, the first checkpoint does not. An rlimit needs no root, and no preexec_fn in this threaded
+# process.
+FILE_SIZE_LIMITED = """
+import os, resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))
+os.execv(sys.executable, [sys.executable, "-m", "framework.train", *sys.argv[1:]])
+"""
+
+
+def command(*args: str, launcher: tuple[str, ...] = ("-m", "framework.train")) -> list[str]:
+    return [sys.executable, *launcher, *args]
+
+
+def run_binary(*args: str, launcher: tuple[str, ...] = ("-m", "framework.train")):
     return subprocess.run(
-        [sys.executable, "-m", "framework.train", *args],
+        command(*args, launcher=launcher),
         cwd=REPO_DIR,
         env=child_env(),
         capture_output=True,
@@ -34,6 +56,21 @@ def run_binary(*args: str) -> subprocess.CompletedProcess:
         timeout=300,
         check=False,
     )
+
+
+def the_error_line(stderr: str) -> str:
+    """The one `error:` line of a failed run (and that there is no traceback)."""
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    return lines[0]
+
+
+def checksums(directory) -> dict[str, str]:
+    return {
+        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in directory.rglob("*")
+        if path.is_file()
+    }
 
 
 def test_run_writes_config_command_checkpoints_and_resumes(tmp_path):
@@ -53,20 +90,39 @@ def test_run_writes_config_command_checkpoints_and_resumes(tmp_path):
     "args, message",
     [
         (["--gin_file=missing.gin"], "gin file 'missing.gin' not found"),
+        (["--gin_file={tmp}/empty.gin"], "does not set Trainer.model_fn or Trainer.dataset_fn"),
         (["--gin.Trainer.no_such_setting=1"], "bad gin configuration"),
+        (["--gin.Trainer.learning_rate='fast'"], "Trainer.learning_rate must be a positive number"),
         (["--gin.Trainer.strategy='tpu_v9'"], "unknown strategy"),
         (["--gin.Trainer.train_steps"], "should look like --gin.NAME=VALUE"),
-        (["--mode=sing"], "--mode"),
+        (["--mode=sing"], "flag --mode=sing: value should be one of"),
+        (["--nope=1"], "Unknown command line flag 'nope'"),
         (["--model_dir=/proc/not_writable"], "not writable"),
+        (
+            [  # a fresh model_dir: the run lock is taken before the data set is built
+                "--gin_file=lm_quickstart.gin",
+                "--gin.data.TextCorpus.files=['docs']",
+                "--gin.data.TextCorpus.vocab_path='{tmp}/vocab.txt'",
+                "--model_dir={tmp}/lm",
+            ],
+            "'docs' in files is a directory",
+        ),
     ],
 )
-def test_bad_input_is_one_clear_line(args, message, tmp_path):
-    if not any(a.startswith("--model_dir") for a in args):
-        args = [*args, f"--model_dir={tmp_path / 'run'}"]
+def test_bad_input_is_one_line_and_leaves_the_model_dir_alone(args, message, tmp_path):
+    (tmp_path / "empty.gin").write_text("")
+    earlier = tmp_path / "run"  # an earlier run's record, which a bad config must not replace
+    (earlier / "checkpoints").mkdir(parents=True)
+    (earlier / "config.gin").write_text("Trainer.train_steps = 4\n")
+    (earlier / "checkpoints" / "checkpoint").write_text("precious")
+    before = checksums(earlier)
+    args = [arg.format(tmp=tmp_path) for arg in args]
+    if not any(arg.startswith("--model_dir") for arg in args):
+        args.append(f"--model_dir={earlier}")
     result = run_binary(*TINY_RUN[1:], *args)
-    assert result.returncode != 0
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert message in the_error_line(result.stderr)
+    assert checksums(earlier) == before
 
 
 def test_gin_file_is_required_to_name_a_model_dir():
@@ -74,13 +130,88 @@ def test_gin_file_is_required_to_name_a_model_dir():
     assert result.returncode == 2 and "--model_dir is required" in result.stderr
 
 
-def test_existing_model_dir_is_untouched_by_a_bad_config(tmp_path):
-    keep = tmp_path / "checkpoints" / "checkpoint"
-    keep.parent.mkdir()
-    keep.write_text("precious")
-    result = run_binary(*TINY_RUN, "--gin.Trainer.nope=1", f"--model_dir={tmp_path}")
-    assert result.returncode == 2
-    assert keep.read_text() == "precious" and not (tmp_path / "config.gin").exists()
+def test_a_full_disk_is_one_line(tmp_path):
+    result = run_binary(*TINY_RUN, f"--model_dir={tmp_path}", launcher=("-c", FILE_SIZE_LIMITED))
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = the_error_line(result.stderr)
+    assert re.search(r"cannot write \S+: File too large\. Free disk space", line), line
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path):
+    args = [
+        *TINY_RUN,
+        "--gin.Trainer.train_steps=100000",
+        "--gin.Trainer.checkpoint_every=100000",  # only the interrupt saves
+        "--mode=train",
+        f"--model_dir={tmp_path}",
+    ]
+    proc = subprocess.Popen(
+        command(*args), cwd=REPO_DIR, env=child_env(), stderr=subprocess.PIPE, text=True
+    )
+    watchdog = threading.Timer(300, proc.kill)
+    watchdog.start()
+    try:
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if re.search(r"\] step \d+/100000", line):
+                proc.send_signal(signal.SIGINT)
+                break
+        stderr = "".join(seen) + proc.communicate()[1]
+    finally:
+        watchdog.cancel()
+    assert proc.returncode == 130, stderr[-3000:]
+    step = re.search(r"interrupted at step (\d+); saved ", the_error_line(stderr)).group(1)
+    assert (tmp_path / "checkpoints" / f"ckpt-{step}.index").exists()
+
+
+@pytest.mark.parametrize(
+    "setting, value, message",
+    [
+        ("train_steps", "ten", "Trainer.train_steps must be a positive integer, got 'ten'"),
+        ("train_steps", 4.5, "Trainer.train_steps must be a positive integer, got 4.5"),
+        ("learning_rate", -1, "Trainer.learning_rate must be a positive number, got -1"),
+        ("eval_every", 0, "Trainer.eval_every must be a positive integer or None, got 0"),
+        ("weight_decay", "0.1", "Trainer.weight_decay must be a non-negative number, got '0.1'"),
+        ("clip_norm", float("inf"), "Trainer.clip_norm must be a positive number or None"),
+        ("tpu_node", "False", "Trainer.tpu_node must be True or False, got 'False'"),
+    ],
+)
+def test_trainer_settings_are_checked_before_anything_is_built(setting, value, message, tmp_path):
+    with pytest.raises((TypeError, ValueError), match=re.escape(message)):
+        trainer.Trainer(str(tmp_path / "run"), model_fn=None, dataset_fn=None, **{setting: value})
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_full_disk_and_device_memory_are_told_apart():
+    def message(error):
+        return train.out_of_resources(error, "/runs/a")
+
+    full = tf.errors.ResourceExhaustedError(None, None, "/runs/a/x.tmp; No space left on device")
+    assert message(full).startswith("cannot write /runs/a/x.tmp: No space left on device.")
+    too_large = OSError(errno.EFBIG, "File too large")
+    assert message(too_large).startswith("cannot write to /runs/a: File too large.")
+    oom = message(tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor"))
+    assert oom.startswith("out of device memory: OOM when allocating tensor. Try a remat policy")
+    assert "global_batch_size" in oom and "framework.plan" in oom
+    assert message(OSError(errno.EACCES, "Permission denied")) is None
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("import os", "line 1: 'import os': a run's config is read without running its imports"),
+        ("include 'other.gin'", "line 1: \"include 'other.gin'\": a run's config is read"),
+        ("Trainer.model_fn = @mine.model", "No configurable matching reference '@mine.model'"),
+    ],
+)
+def test_a_run_config_is_read_with_the_projects_names_only(line, message):
+    gin.clear_config()
+    try:
+        with pytest.raises(cli.UsageError, match=re.escape(message)):
+            cli.parse_run_config(f"{line}\nTrainer.train_steps = 4\n", "run/config.gin")
+    finally:
+        gin.clear_config()
 
 
 def test_gin_shorthand_becomes_bindings():

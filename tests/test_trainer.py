@@ -1,5 +1,6 @@
 import functools
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -12,6 +13,22 @@ from tests import tiny
 
 def make_trainer(model_dir, **overrides) -> Trainer:
     return Trainer(str(model_dir), **{**tiny.TRAINER_ARGS, **overrides})
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A tiny run trained to step 10 once for the module: checkpoints ckpt-5 and ckpt-10."""
+    model_dir = tmp_path_factory.mktemp("trained")
+    make_trainer(model_dir, train_steps=10).train()
+    return model_dir
+
+
+@pytest.fixture
+def run_copy(trained_run, tmp_path):
+    """A copy of `trained_run` of this test's own (without the first run's lock)."""
+    model_dir = tmp_path / "run"
+    shutil.copytree(trained_run, model_dir, ignore=shutil.ignore_patterns("LOCK"))
+    return model_dir
 
 
 def test_trains_checkpoints_and_writes_summaries(tmp_path):
@@ -63,12 +80,11 @@ def test_hundred_steps_trace_the_step_at_most_twice(tmp_path):
     assert 1 <= trainer.traces["train_step"] <= 2
 
 
-def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path):
-    make_trainer(tmp_path, train_steps=5).train()
-    trainer = make_trainer(tmp_path, train_steps=10, learning_rate=1e30, clip_norm=None)
-    with pytest.raises(TrainerError, match="diverged.*ckpt-5 is kept"):
+def test_nan_loss_stops_and_keeps_the_last_checkpoint(run_copy):
+    trainer = make_trainer(run_copy, train_steps=20, learning_rate=1e30, clip_norm=None)
+    with pytest.raises(TrainerError, match="diverged.*ckpt-10 is kept"):
         trainer.train()
-    assert tf.train.latest_checkpoint(tmp_path / "checkpoints").endswith("ckpt-5")
+    assert tf.train.latest_checkpoint(run_copy / "checkpoints").endswith("ckpt-10")
 
 
 def _non_finite_values(path: str) -> int:
@@ -84,10 +100,11 @@ def _non_finite_values(path: str) -> int:
 def test_a_diverging_run_never_saves_a_non_finite_checkpoint(tmp_path, earlier_steps):
     if earlier_steps:
         make_trainer(tmp_path, train_steps=earlier_steps, steps_per_loop=1).train()
-    # An infinite learning rate makes the weights non-finite in the first update, whose loss (of
-    # the weights before it) is finite: the state to save is broken, the loss does not show it.
-    diverging = dict(steps_per_loop=1, checkpoint_every=1, clip_norm=None)
-    trainer = make_trainer(tmp_path, train_steps=10, learning_rate=float("inf"), **diverging)
+    # A weight decay of 1e36 at a learning rate of 1e3 scales the weights by 1 - 1e39: they are
+    # non-finite after the first update, whose loss (of the weights before it) is finite. The
+    # state to save is broken and the loss does not show it.
+    diverging = dict(steps_per_loop=1, checkpoint_every=1, warmup_steps=0, weight_decay=1e36)
+    trainer = make_trainer(tmp_path, train_steps=10, learning_rate=1e3, **diverging)
     with pytest.raises(TrainerError, match="diverged") as info:
         trainer.train()
     state = tf.train.get_checkpoint_state(tmp_path / "checkpoints")
@@ -103,22 +120,113 @@ def test_a_diverging_run_never_saves_a_non_finite_checkpoint(tmp_path, earlier_s
     assert again.step == earlier_steps + 2
 
 
-def test_corrupted_checkpoint_is_an_error_and_is_not_deleted(tmp_path):
-    make_trainer(tmp_path, train_steps=5).train()
-    data = [p for p in (tmp_path / "checkpoints").iterdir() if ".data-" in p.name][0]
-    data.write_bytes(b"garbage")
-    with pytest.raises(TrainerError, match="cannot restore checkpoint"):
-        make_trainer(tmp_path, train_steps=10)
-    assert data.read_bytes() == b"garbage"
+def _checkpoint_files(model_dir) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in (model_dir / "checkpoints").glob("ckpt-*")}
 
 
-def test_missing_checkpoint_files_are_an_error(tmp_path):
-    make_trainer(tmp_path, train_steps=5).train()
-    for path in (tmp_path / "checkpoints").iterdir():
-        if path.name.startswith("ckpt-"):
-            path.unlink()
-    with pytest.raises(TrainerError, match="cannot restore checkpoint .*ckpt-5"):
-        make_trainer(tmp_path, train_steps=10)
+# Adam moves each weight by about the learning rate per step: at 1e30 the first step leaves
+# finite weights of 1e30 (not saved: no checkpoint is due), whose next forward pass overflows.
+DIVERGING = dict(steps_per_loop=1, checkpoint_every=100, warmup_steps=0, learning_rate=1e30)
+
+
+def test_a_diverged_run_rolls_back_with_a_lower_learning_rate_when_asked(tmp_path, caplog):
+    make_trainer(tmp_path, train_steps=2, steps_per_loop=1).train()
+    trainer = make_trainer(
+        tmp_path,
+        train_steps=5,
+        divergence_rollbacks=1,
+        rollback_learning_rate_factor=1e-30,  # a learning rate of 1 after the rollback
+        **DIVERGING,
+    )
+    trainer.train()
+    assert trainer.step == 5
+    assert "before step 4: rolled back to" in caplog.text and "ckpt-2 with" in caplog.text
+    saved = checkpoints_on_disk(tmp_path)
+    assert [os.path.basename(p) for p in saved] == ["ckpt-1", "ckpt-2", "ckpt-5"]
+    assert all(_non_finite_values(path) == 0 for path in saved)
+    # The lowered learning rate is saved with the checkpoints: a restart keeps it.
+    scale = trainer.learning_rate_scale.numpy()
+    assert scale == np.float32(1e-30)
+    assert make_trainer(tmp_path, train_steps=5).learning_rate_scale.numpy() == scale
+
+
+def test_rollbacks_are_bounded_then_the_run_stops(tmp_path, caplog):
+    make_trainer(tmp_path, train_steps=2, steps_per_loop=1).train()
+    trainer = make_trainer(tmp_path, train_steps=5, divergence_rollbacks=2, **DIVERGING)
+    with pytest.raises(TrainerError, match="diverged.*ckpt-2 is kept"):
+        trainer.train()
+    assert caplog.text.count("rolled back to") == 2
+    assert [os.path.basename(p) for p in checkpoints_on_disk(tmp_path)] == ["ckpt-1", "ckpt-2"]
+
+
+def checkpoints_on_disk(model_dir) -> list[str]:
+    state = tf.train.get_checkpoint_state(model_dir / "checkpoints")
+    return list(state.all_model_checkpoint_paths) if state else []
+
+
+def flip_a_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_corrupted_checkpoints_only_are_an_error_and_are_not_deleted(run_copy):
+    for data in (run_copy / "checkpoints").glob("ckpt-*.data-*"):
+        flip_a_byte(data)
+    before = _checkpoint_files(run_copy)
+    with pytest.raises(TrainerError, match="cannot be restored .*ckpt-10: .*Nothing was deleted"):
+        make_trainer(run_copy, train_steps=10)
+    assert _checkpoint_files(run_copy) == before
+
+
+def test_a_corrupted_newest_checkpoint_falls_back_to_the_one_before(run_copy, caplog):
+    flip_a_byte(run_copy / "checkpoints" / "ckpt-10.data-00000-of-00001")
+    older = {k: v for k, v in _checkpoint_files(run_copy).items() if k.startswith("ckpt-5.")}
+    resumed = make_trainer(run_copy, train_steps=10)
+    assert resumed.step == 5
+    assert "skipping checkpoint" in caplog.text and "Checksum does not match" in caplog.text
+    assert all(_checkpoint_files(run_copy)[k] == v for k, v in older.items())
+    resumed.train()
+    assert resumed.step == 10
+
+
+def test_a_lost_index_resumes_from_the_checkpoint_files(run_copy):
+    index = run_copy / "checkpoints" / "checkpoint"
+    before = _checkpoint_files(run_copy)
+    for damage in ("garbled {", "", None):  # garbled, empty, deleted
+        if damage is None:
+            index.unlink()
+        else:
+            index.write_text(damage)
+        resumed = make_trainer(run_copy, train_steps=15)
+        assert resumed.step == 10, damage
+        assert tf.train.latest_checkpoint(run_copy / "checkpoints").endswith("ckpt-10")
+    resumed.train()
+    after = _checkpoint_files(run_copy)
+    assert all(after[name] == data for name, data in before.items())
+
+
+def test_missing_checkpoint_files_are_an_error_not_a_fresh_start(run_copy):
+    for path in (run_copy / "checkpoints").glob("ckpt-*"):
+        path.unlink()
+    with pytest.raises(TrainerError, match="index file names checkpoints"):
+        make_trainer(run_copy, train_steps=10)
+
+
+def test_an_interrupted_save_leaves_nothing_that_stops_the_next_start(run_copy):
+    temp = run_copy / "checkpoints" / "ckpt-15_temp"
+    temp.mkdir()
+    (temp / "part-00000-of-00001.data-00000-of-00001").write_bytes(b"half")
+    resumed = make_trainer(run_copy, train_steps=15)
+    assert resumed.step == 10 and not temp.exists()
+
+
+def test_a_second_trainer_on_the_model_dir_stops_the_first_before_it_saves(tmp_path):
+    first = make_trainer(tmp_path, train_steps=10)
+    make_trainer(tmp_path, train_steps=10)
+    with pytest.raises(TrainerError, match="a later Trainer of this process"):
+        first.train()
+    assert not list((tmp_path / "checkpoints").glob("ckpt-*"))
 
 
 def test_finite_training_data_is_a_clear_error(tmp_path):
@@ -143,7 +251,7 @@ def test_empty_eval_data_is_a_clear_error(tmp_path):
     [
         ({"precision": "float8"}, "unknown precision"),
         ({"strategy": "magic"}, "unknown strategy"),
-        ({"train_steps": 0}, "must be positive"),
+        ({"train_steps": 0}, "Trainer.train_steps must be a positive integer, got 0"),
         ({"xla_flags": ["xla_dump_to=/tmp"]}, "must start with '--'"),
     ],
 )

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from framework import checks
+
 SHAPES = ("disk", "square", "ring", "plus", "diamond", "triangle", "h_stripes", "v_stripes")
 HELD_OUT_SEED_OFFSET = 1_000_003
 
@@ -74,8 +76,14 @@ def shapes(
     the examples `[s * G, (s + 1) * G)` of the stream, whatever the device layout (G is the global
     batch).
     """
-    if not 1 <= num_classes <= len(SHAPES):
-        raise ValueError(f"num_classes must be between 1 and {len(SHAPES)}, got {num_classes}")
+    checks.integer("shapes.image_size", image_size)
+    checks.integer("shapes.num_classes", num_classes)
+    checks.integer("shapes.seed", seed, minimum=0)
+    checks.integer("shapes.eval_examples", eval_examples)
+    if num_classes > len(SHAPES):
+        raise ValueError(
+            f"shapes.num_classes must be between 1 and {len(SHAPES)}, got {num_classes}"
+        )
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     pipeline_batch = batch_size * replicas_per_pipeline

@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_text as tf_text
 
+from framework import checks
 from framework.data import packing
 from framework.data import vocab as vocab_lib
 
@@ -38,7 +39,8 @@ _PARAGRAPH_BREAK = "\x1e"  # ASCII record separator: a paragraph break, before s
 
 
 def list_files(files: str | list[str] | tuple[str, ...]) -> list[str]:
-    """Expands glob patterns (local or gs://); a pattern matching nothing is a ValueError."""
+    """Expands glob patterns (local or gs://) to files; directories a pattern matches are left
+    out, and a pattern matching no file (nothing, or only directories) is a ValueError."""
     patterns = [files] if isinstance(files, str) else list(files)
     if not patterns:
         raise ValueError("no text files given: set `files` to one or more paths or patterns")
@@ -47,6 +49,13 @@ def list_files(files: str | list[str] | tuple[str, ...]) -> list[str]:
         matches = sorted(tf.io.gfile.glob(pattern))
         if not matches:
             raise ValueError(f"text file {pattern!r} not found (no file matches it)")
+        # A directory would only fail later, inside tf.data, as "Is a directory".
+        matches = [path for path in matches if not tf.io.gfile.isdir(path)]
+        if not matches:
+            raise ValueError(
+                f"{pattern!r} in files is a directory, not a text file: name the files in it, "
+                f"e.g. '{pattern.rstrip('/')}/*.txt'"
+            )
         found.extend(matches)
     return found
 
@@ -215,12 +224,26 @@ class TextCorpus:
     log_stats: bool = True
 
     def __post_init__(self):
+        files = [self.files] if isinstance(self.files, str) else self.files
+        if not isinstance(files, (list, tuple)) or not all(isinstance(f, str) for f in files):
+            raise TypeError(
+                "TextCorpus.files must be a path or glob pattern, or a list of them, "
+                f"got {self.files!r}"
+            )
         if not isinstance(self.files, str):
             object.__setattr__(self, "files", tuple(self.files))
-        if self.vocab_path is None:
-            raise ValueError("set vocab_path, e.g. to vocab.txt in the run's model directory")
-        if self.sequence_length < 2:
-            raise ValueError(f"sequence_length must be at least 2, got {self.sequence_length}")
+        if not isinstance(self.vocab_path, str):
+            raise ValueError(
+                "set TextCorpus.vocab_path to a file path, e.g. vocab.txt in the run's model "
+                f"directory, got {self.vocab_path!r}"
+            )
+        checks.integer("TextCorpus.vocab_size", self.vocab_size)
+        checks.integer("TextCorpus.sequence_length", self.sequence_length, minimum=2)
+        checks.number("TextCorpus.eval_fraction", self.eval_fraction, maximum=1.0)
+        checks.integer("TextCorpus.seed", self.seed, minimum=0)
+        checks.integer("TextCorpus.shuffle_buffer", self.shuffle_buffer)
+        checks.integer("TextCorpus.vocab_documents", self.vocab_documents, optional=True)
+        checks.boolean("TextCorpus.log_stats", self.log_stats)
 
     def documents(self, split: str) -> tf.data.Dataset:
         """The split's documents, as strings."""
@@ -410,6 +433,7 @@ def text_mlm(
     """Masked-LM batches ({"tokens", "segment_ids", "positions", "masked_positions"}, labels,
     weights): tokens [B, T], the rest [B, P] (see `mlm_example`). Arguments as in `text_lm`.
     """
+    checks.number("text_mlm.mask_rate", mask_rate, maximum=1.0)
     global_batch = batch_size * replicas_per_pipeline * num_pipelines
     batches, vocab = packed_rows(corpus, split, global_batch, start_step)
     ids = vocab_lib.special_ids(vocab)
