@@ -17,11 +17,12 @@ import json
 import logging
 import re
 import time
-import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
 import tensorflow as tf
+
+from framework import files
 
 PREFIX = "ckpt"  # tf.train.CheckpointManager's default checkpoint_name
 INDEX_FILE = "checkpoint"  # the index of the checkpoints TensorFlow keeps in the directory
@@ -153,11 +154,7 @@ def repair_index(listing: Listing, newest: str) -> bool:
     kept = [prefix for prefix in listing.committed if step_of(prefix) <= step_of(newest)]
     lines = [f"model_checkpoint_path: {json.dumps(_name(newest))}"]
     lines += [f"all_model_checkpoint_paths: {json.dumps(_name(prefix))}" for prefix in kept]
-    path = f"{listing.directory.rstrip('/')}/{INDEX_FILE}"
-    temporary = f"{path}.tmp-{uuid.uuid4().hex}"
-    with tf.io.gfile.GFile(temporary, "w") as file:
-        file.write("\n".join(lines) + "\n")
-    tf.io.gfile.rename(temporary, path, overwrite=True)
+    files.write_bytes(files.join(listing.directory, INDEX_FILE), "\n".join(lines) + "\n")
     return True
 
 

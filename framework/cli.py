@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -153,15 +152,24 @@ def parse_run_config(text: str, source: str) -> None:
 
 
 def prepare_model_dir(model_dir: str) -> None:
-    """Creates model_dir and checks it is writable before anything expensive starts."""
+    """Creates model_dir and writes and removes a real file in it (each worker of a cluster a
+    file of its own) before anything expensive starts. A bucket out of reach or without the
+    credentials to write is one line that says what to check."""
+    import tensorflow as tf
+
+    from framework import files
+
     try:
-        os.makedirs(model_dir, exist_ok=True)
-        # A probe of this process' own: the workers of a cluster check the same directory.
-        descriptor, probe = tempfile.mkstemp(prefix=".write_test-", dir=model_dir)
-        os.close(descriptor)
-        os.unlink(probe)
-    except OSError as error:
-        raise UsageError(f"model_dir {model_dir!r} is not writable: {error.strerror}") from None
+        files.check_writable(model_dir)
+    except (OSError, tf.errors.OpError) as error:
+        reason = error.strerror if isinstance(error, OSError) else first_line(error.message)
+        hint = (
+            ""
+            if files.is_local(model_dir)
+            else "; check the network, the bucket's name and that these credentials may write "
+            "to it (`gcloud auth application-default login`, or the VM's service account)"
+        )
+        raise UsageError(f"model_dir {model_dir!r} is not writable: {reason}{hint}") from None
 
 
 def gin_inputs(argv: Sequence[str], gin_shorthand: Sequence[str]) -> tuple[list[str], list[str]]:

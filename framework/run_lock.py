@@ -36,6 +36,8 @@ import uuid
 
 import tensorflow as tf
 
+from framework import files
+
 LOCK_FILE = "LOCK"
 DEFAULT_LEASE_SECONDS = 300.0
 SETTLE_SECONDS = 1.0  # how long a lease waits before reading back that it holds the lock
@@ -86,11 +88,6 @@ def _parse(text: str) -> Holder | None:
         return None
 
 
-def is_local(path: str) -> bool:
-    """Whether `path` is on a filesystem this host can `flock` (no URL scheme but file://)."""
-    return "://" not in path or path.startswith("file://")
-
-
 class RunLock:
     """The lock of one model_dir. `acquire()` takes it or raises `LockError` naming the holder."""
 
@@ -105,9 +102,9 @@ class RunLock:
         if lease_seconds <= 0:
             raise ValueError(f"lease_seconds must be positive, got {lease_seconds}")
         self.model_dir = model_dir
-        self.path = f"{model_dir.rstrip('/')}/{LOCK_FILE}"
+        self.path = files.join(model_dir, LOCK_FILE)
         self.lease_seconds = lease_seconds
-        self.use_flock = is_local(model_dir) if use_flock is None else use_flock
+        self.use_flock = files.is_local(model_dir) if use_flock is None else use_flock
         now = time.time()
         self.holder = Holder(
             host=socket.gethostname(),
@@ -230,8 +227,7 @@ class RunLock:
 
     def _read(self) -> Holder | None:
         try:
-            with tf.io.gfile.GFile(self.path) as file:
-                return _parse(file.read())
+            return _parse(files.read_text(self.path))
         except tf.errors.NotFoundError:
             return None
 
@@ -242,5 +238,4 @@ class RunLock:
             os.pwrite(self._fd, data.encode(), 0)
             os.fsync(self._fd)
         else:
-            with tf.io.gfile.GFile(self.path, "w") as file:
-                file.write(data)
+            files.write_bytes(self.path, data)

@@ -24,7 +24,6 @@ import shlex
 import signal
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import gin
 from absl import app, flags
@@ -45,15 +44,19 @@ FLAGS = flags.FLAGS
 
 
 def write_run_record(model_dir: str, config: str, command: str) -> None:
-    """Writes config.gin and command; an earlier, different config.gin is kept, dated."""
-    config_path = Path(model_dir, "config.gin")
-    if config_path.exists() and config_path.read_text() != config:
-        stamp = datetime.datetime.fromtimestamp(config_path.stat().st_mtime).strftime(
-            "%Y%m%d-%H%M%S"
-        )
-        config_path.rename(config_path.with_name(f"config-{stamp}.gin"))
-    config_path.write_text(config)
-    Path(model_dir, "command").write_text(command + "\n")
+    """Writes config.gin and command (through tf.io.gfile, so a gs:// model_dir works); an
+    earlier, different config.gin is kept, dated."""
+    import tensorflow as tf
+
+    from framework import files
+
+    config_path = files.join(model_dir, "config.gin")
+    if tf.io.gfile.exists(config_path) and files.read_text(config_path) != config:
+        stamp = datetime.datetime.fromtimestamp(files.modified_time(config_path))
+        kept = files.join(model_dir, f"config-{stamp:%Y%m%d-%H%M%S}.gin")
+        tf.io.gfile.rename(config_path, kept, overwrite=True)
+    files.write_bytes(config_path, config)
+    files.write_bytes(files.join(model_dir, "command"), command + "\n")
     logging.info("command: %s", command)
     logging.info("operative gin config:\n%s", config)
 

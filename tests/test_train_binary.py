@@ -98,6 +98,10 @@ def test_run_writes_config_command_checkpoints_and_resumes(tmp_path):
         (["--mode=sing"], "flag --mode=sing: value should be one of"),
         (["--nope=1"], "Unknown command line flag 'nope'"),
         (["--model_dir=/proc/not_writable"], "not writable"),
+        (  # no network here (or no such bucket): one line that says what to check
+            ["--model_dir=gs://framework-tests-no-such-bucket/run"],
+            "check the network, the bucket's name and that these credentials may write",
+        ),
         (
             [  # a fresh model_dir: the run lock is taken before the data set is built
                 "--gin_file=lm_quickstart.gin",

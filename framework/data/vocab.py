@@ -13,10 +13,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import tempfile
 
 import tensorflow as tf
 from tensorflow_text.tools.wordpiece_vocab import wordpiece_tokenizer_learner_lib as learner
+
+from framework import files
 
 PAD, UNK, BOS, EOS, MASK = "[PAD]", "[UNK]", "[BOS]", "[EOS]", "[MASK]"
 RESERVED_TOKENS = (PAD, UNK, BOS, EOS, MASK)
@@ -69,16 +70,8 @@ def _fit(vocab: list[str], vocab_size: int) -> list[str]:
 
 def save_vocab(vocab: list[str], path: str) -> None:
     """Writes one token a line, atomically: a concurrent reader sees the whole file or none."""
-    directory = os.path.dirname(path) or "."
-    tf.io.gfile.makedirs(directory)
-    if directory.startswith("gs://"):
-        with tf.io.gfile.GFile(path, "w") as f:
-            f.write("\n".join(vocab) + "\n")
-        return
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".vocab-")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write("\n".join(vocab) + "\n")
-    os.replace(tmp, path)
+    tf.io.gfile.makedirs(os.path.dirname(path) or ".")
+    files.write_bytes(path, "\n".join(vocab) + "\n")
 
 
 def load_vocab(path: str) -> list[str]:

@@ -6,9 +6,10 @@ and the usable budget as lines and the pick marked, so the trade-off is visible 
 
 from __future__ import annotations
 
+import io
 import json
-from pathlib import Path
 
+from framework import files
 from framework.memory import format_bytes
 from framework.planner.choose import Plan
 from framework.planner.measurement import Measurement
@@ -104,7 +105,7 @@ def to_json(plan: Plan) -> dict:
     }
 
 
-def plot(plan: Plan, path: Path) -> None:
+def plot(plan: Plan, path: str) -> None:
     """Writes the peak-memory-against-step-time picture (matplotlib, no display needed)."""
     import matplotlib
 
@@ -156,13 +157,15 @@ def plot(plan: Plan, path: Path) -> None:
     axes.grid(alpha=0.3)
     axes.legend(loc="best", fontsize=8)
     figure.tight_layout()
-    figure.savefig(path)
+    png = io.BytesIO()
+    figure.savefig(png, format="png")
     plt.close(figure)
+    files.write_bytes(path, png.getvalue())
 
 
-def write_plan(plan: Plan, model_dir: str) -> tuple[Path, Path]:
-    """Writes `plan.json` and `plan.png` into model_dir; returns their paths."""
-    json_path, png_path = Path(model_dir, "plan.json"), Path(model_dir, "plan.png")
-    json_path.write_text(json.dumps(to_json(plan), indent=2) + "\n")
+def write_plan(plan: Plan, model_dir: str) -> tuple[str, str]:
+    """Writes `plan.json` and `plan.png` into model_dir (a gs:// one too); returns their paths."""
+    json_path, png_path = files.join(model_dir, "plan.json"), files.join(model_dir, "plan.png")
+    files.write_bytes(json_path, json.dumps(to_json(plan), indent=2) + "\n")
     plot(plan, png_path)
     return json_path, png_path

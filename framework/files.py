@@ -1,0 +1,53 @@
+"""The small files of a run directory, read and written through `tf.io.gfile`.
+
+TPU pods need their model_dir on Cloud Storage, so nothing that reads or writes a run directory
+may use `open`, `os` or `pathlib`: those would create `./gs:/BUCKET/...` in the working directory.
+These helpers go through `tf.io.gfile`, which serves local paths, `gs://` and TensorFlow's other
+filesystems (`ram://` in the tests) the same way.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import tensorflow as tf
+
+
+def is_local(path: str) -> bool:
+    """Whether `path` is on this host's filesystem (no URL scheme, or file://)."""
+    return "://" not in path or path.startswith("file://")
+
+
+def join(directory: str, name: str) -> str:
+    """`directory/name` for a local path or a URL alike."""
+    return f"{directory.rstrip('/')}/{name}"
+
+
+def read_text(path: str) -> str:
+    with tf.io.gfile.GFile(path) as file:
+        return file.read()
+
+
+def write_bytes(path: str, data: bytes | str) -> None:
+    """Writes `path` whole: to a temporary name beside it, then renamed over it, so a reader
+    never sees half a file (on object stores, where a rename is a copy, the object appears
+    whole anyway)."""
+    temporary = f"{path}.tmp-{uuid.uuid4().hex}"
+    with tf.io.gfile.GFile(temporary, "wb") as file:
+        file.write(data.encode() if isinstance(data, str) else data)
+    tf.io.gfile.rename(temporary, path, overwrite=True)
+
+
+def modified_time(path: str) -> float:
+    """Seconds since the epoch of the last change of `path`."""
+    return tf.io.gfile.stat(path).mtime_nsec / 1e9
+
+
+def check_writable(directory: str) -> None:
+    """Creates `directory` and writes and removes a real file in it; raises what the storage
+    raises (tf.errors.OpError for a bucket out of reach, PermissionDeniedError, ...)."""
+    tf.io.gfile.makedirs(directory)
+    probe = join(directory, f".write_test-{uuid.uuid4().hex}")
+    with tf.io.gfile.GFile(probe, "w") as file:
+        file.write("probe")
+    tf.io.gfile.remove(probe)
