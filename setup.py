@@ -9,9 +9,11 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["framework", "framework.*"]),
     install_requires=[
-        # Versions measured to work together; TF 2.21 no longer pulls TensorBoard.
-        "tensorflow==2.21.*",
-        "tensorflow-text==2.21.*",
+        # TensorFlow 2.20 (the newest TPU build, `tensorflow-tpu`) and 2.21, the range that
+        # framework/tf_internals.py checks; each tensorflow-text release pins its own TensorFlow
+        # minor, so pip pairs them. TF 2.21 no longer pulls TensorBoard.
+        "tensorflow>=2.20,<2.22",
+        "tensorflow-text>=2.20,<2.22",
         "tensorboard>=2.20",
         "gin-config==0.5.0",
         "absl-py>=2.1",

@@ -2,7 +2,8 @@
 
 The trainer sums gradients across replicas once, clips them by the global norm of that sum, and then
 applies them. Keras' own `global_clipnorm` cannot do this under a strategy: it clips each replica's
-share before the sum. `ReducedGradientAdamW` therefore skips the sum Keras would do again.
+share before the sum. `ReducedGradientAdamW` therefore skips the sum Keras would do again (through a
+private Keras method, hence `tf_internals`).
 """
 
 from __future__ import annotations
@@ -10,12 +11,11 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from framework import tf_internals
 
-class ReducedGradientAdamW(keras.optimizers.AdamW):
+
+class ReducedGradientAdamW(tf_internals.GradientsAlreadyReduced, keras.optimizers.AdamW):
     """AdamW that takes gradients already summed over replicas."""
-
-    def _all_reduce_sum_gradients(self, grads_and_vars):
-        return grads_and_vars
 
 
 class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):

@@ -4,20 +4,68 @@ Public TensorFlow has no way to see or replace the ops a function creates while 
 pause gradient recording, or to list a Keras layer's children; rematerialization needs all three.
 Each wrapper here is small and named for what it does, so a TensorFlow release that moves one of
 them breaks one function, and `SUPPORTED_TENSORFLOW` says which releases were checked.
+
+Importing this module warns (`UnsupportedTensorFlowWarning`) when the installed TensorFlow is not
+one of them. A warning, not an error: a release that moves one of these APIs fails at the wrapper
+that uses it, with TensorFlow's own error, and users trying a new release (or a TPU image's own
+build) should still be able to import the framework and run the tests that vouch for it
+(`pytest -m tf_compat`). The one override that would fail silently (Keras' gradient all-reduce, see
+`GradientsAlreadyReduced`) is checked where it is used, and raises.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
+import warnings
 from collections.abc import Callable
 
 import tensorflow as tf
+
+# XLA's protocol buffers, re-exported: the compiler IR TensorFlow returns for memory measurement is
+# an `hlo_pb2.HloProto`, but TensorFlow does not export these modules, so their path may move.
+from tensorflow.compiler.xla import xla_data_pb2 as xla_data_pb2
+from tensorflow.compiler.xla.service import hlo_pb2 as hlo_pb2
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import context, record
 from tensorflow.python.framework import op_callbacks
 from tensorflow.python.ops import control_flow_v2_func_graphs
 
+# Releases (major.minor) the test suite passed on; 2.20 is the newest TPU build (`tensorflow-tpu`).
+# Keep in step with setup.py's `tensorflow` and `tensorflow-text` ranges, .ci/run and the copy in
+# launch/tpu_pod.py (which runs where TensorFlow is not installed; a test compares the two).
 SUPPORTED_TENSORFLOW = ("2.20", "2.21")
+
+
+class UnsupportedTensorFlowWarning(UserWarning):
+    """The installed TensorFlow is not one of `SUPPORTED_TENSORFLOW`."""
+
+
+def unsupported_tensorflow_message(version: str) -> str | None:
+    """What to tell a user of TensorFlow `version` (e.g. "2.22.0-dev20260101"), or None when it is
+    a supported release."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match and f"{match[1]}.{match[2]}" in SUPPORTED_TENSORFLOW:
+        return None
+    supported = " and ".join(SUPPORTED_TENSORFLOW)
+    return (
+        f"TensorFlow {version} is installed, but this framework supports TensorFlow {supported} "
+        "only: remat and memory measurement use private TensorFlow APIs "
+        "(framework/tf_internals.py) that can move between releases. Install a supported pair, "
+        f'e.g. pip install "tensorflow=={SUPPORTED_TENSORFLOW[-1]}.*" '
+        f'"tensorflow-text=={SUPPORTED_TENSORFLOW[-1]}.*", or check this release with '
+        "`python -m pytest -m tf_compat` and add it to SUPPORTED_TENSORFLOW."
+    )
+
+
+def warn_if_unsupported(version: str = tf.__version__) -> None:
+    """Warns (`UnsupportedTensorFlowWarning`) when TensorFlow `version` is not supported."""
+    message = unsupported_tensorflow_message(version)
+    if message:
+        warnings.warn(message, UnsupportedTensorFlowWarning, stacklevel=2)
+
+
+warn_if_unsupported()
 
 OpCallback = Callable[..., object]
 
@@ -126,3 +174,38 @@ def trace_function(python_function: Callable, *tensors) -> tf.types.experimental
 def flatten_layers(layer, recursive: bool) -> list:
     """The sub-layers of a Keras layer (direct children, or all descendants)."""
     return list(layer._flatten_layers(include_self=False, recursive=recursive))
+
+
+def is_jit_compiled(function: Callable) -> bool:
+    """Whether `function` is a `tf.function(jit_compile=True)` (no public accessor says so)."""
+    return bool(getattr(function, "_jit_compile", False))
+
+
+# Keras' TensorFlow optimizer sums gradients over replicas in this method before it applies them.
+_KERAS_ALL_REDUCE = "_all_reduce_sum_gradients"
+
+
+class GradientsAlreadyReduced:
+    """Mixin, before a Keras optimizer class, for callers that sum gradients over replicas
+    themselves (to clip by the norm of the sum): Keras would otherwise sum them a second time.
+
+    If Keras renamed the method, the override would be ignored and gradients silently multiplied
+    by the number of replicas (Adam hides it, SGD does not), so defining a subclass whose Keras
+    base lacks the method raises instead.
+    """
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        bases = cls.__mro__[cls.__mro__.index(GradientsAlreadyReduced) + 1 :]
+        if not any(_KERAS_ALL_REDUCE in vars(base) for base in bases):
+            import keras  # already imported: a Keras optimizer is among the bases
+
+            raise TypeError(
+                f"{cls.__name__}: no base class defines {_KERAS_ALL_REDUCE}, which "
+                f"GradientsAlreadyReduced replaces: Keras {keras.__version__} sums gradients "
+                "over replicas elsewhere. Update framework/tf_internals.py for it, or install "
+                f"the Keras that TensorFlow {SUPPORTED_TENSORFLOW[-1]} installs."
+            )
+
+    def _all_reduce_sum_gradients(self, grads_and_vars: list) -> list:
+        return grads_and_vars

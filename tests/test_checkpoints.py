@@ -66,6 +66,7 @@ def test_a_lost_index_restores_the_newest_checkpoint_from_the_files(tmp_path, da
     assert list(state.all_model_checkpoint_paths) == listing.committed
 
 
+@pytest.mark.tf_compat
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated data", "truncated index"])
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, damage, caplog):
     checkpoint, var = save_steps(tmp_path)

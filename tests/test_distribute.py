@@ -26,6 +26,7 @@ EQUALITY_SCRIPT = """
 """
 
 
+@pytest.mark.tf_compat
 def test_mirrored_reaches_the_same_loss_as_one_device():
     devices = 2  # 4 logical devices took 50 s more of a 2-core CI and tested nothing new
     losses = run_python(EQUALITY_SCRIPT.format(devices=devices))

@@ -134,6 +134,7 @@ def stack():
     return make_stack(n=1)
 
 
+@pytest.mark.tf_compat
 @pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
 def test_every_policy_matches_no_remat_with_dropout(stack, mode):
     blocks, _ = stack
@@ -344,6 +345,7 @@ def _count_in_optimized_hlo(pattern: str, policies_to_try: tuple[str, ...]) -> d
     return counts
 
 
+@pytest.mark.tf_compat
 def test_xla_keeps_recomputation_and_saved_dots():
     counts = _count_in_optimized_hlo(
         r"\bdot\(", ("everything_saveable", "nothing_saveable", "dots_saveable")

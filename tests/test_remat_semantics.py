@@ -179,6 +179,7 @@ def test_closed_over_variable_integer_mask_and_ragged_values(mode):
 # 2. A checkpointed callable stays checkpointed whatever wraps it.
 
 
+@pytest.mark.tf_compat
 @pytest.mark.parametrize("jit", [False, True])
 def test_tf_function_around_a_checkpoint_still_recomputes(jit):
     def sin_sin(x):
@@ -344,6 +345,7 @@ def test_closure_inside_a_scanned_region_body(mode):
     check(mode, "dots_saveable", make, [rand(5, 4), rand(4, 4)])
 
 
+@pytest.mark.tf_compat
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("policy", ["nothing_saveable", "random_masks_saveable"])
 def test_dropout_inside_cond_and_while_gets_the_forward_masks(mode, policy):

@@ -48,6 +48,7 @@ def test_vocab_is_learned_once_saved_and_reloaded(corpus):
     assert tf.io.gfile.stat(corpus.vocab_path).mtime_nsec == stamp
 
 
+@pytest.mark.tf_compat
 def test_tokenize_detokenize_round_trip(corpus):
     tokenizer = text.make_tokenizer(corpus.vocab())
     sample = ["the  model trains\n while attention stays inside!", "saved beside checkpoints?"]
@@ -78,6 +79,7 @@ def test_packing_keeps_every_token_once_and_separates_documents():
     assert share == pytest.approx(1 - sum(map(len, docs)) / rows["tokens"].size)
 
 
+@pytest.mark.tf_compat
 def test_lm_batches_have_static_shapes_and_shifted_targets(corpus):
     dataset = text.text_lm("train", 4, corpus=corpus)
     inputs, targets, weights = dataset.element_spec

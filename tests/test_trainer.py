@@ -31,6 +31,7 @@ def run_copy(trained_run, tmp_path):
     return model_dir
 
 
+@pytest.mark.tf_compat
 def test_trains_checkpoints_and_writes_summaries(tmp_path):
     trainer = make_trainer(tmp_path, train_steps=20)
     before = trainer.evaluate()["loss"]
@@ -63,6 +64,7 @@ def test_resumes_where_it_stopped(tmp_path):
     assert second.step == 15
 
 
+@pytest.mark.tf_compat
 def test_resumed_run_equals_uninterrupted_run(tmp_path):
     straight = make_trainer(tmp_path / "straight", train_steps=10)
     straight.train()

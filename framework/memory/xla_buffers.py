@@ -18,10 +18,8 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from tensorflow.compiler.xla import xla_data_pb2
-from tensorflow.compiler.xla.service import hlo_pb2
-
 from framework.memory.units import format_bytes
+from framework.tf_internals import hlo_pb2, is_jit_compiled, xla_data_pb2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +218,10 @@ def compiled_bytes(
     `fn` must be a `tf.function(jit_compile=True)`. Captured variables become parameters of the
     program, so `parameter_bytes` includes the weights and optimizer state a train step touches.
     Arguments may be tensors or `tf.TensorSpec`s (then nothing needs to be allocated).
-    The result is deterministic for a given program and compiler.
+    The result is deterministic for a given program and compiler. With `--xla_dump_to` in
+    XLA_FLAGS, XLA hands back the unoptimised module beside the optimised buffer assignment: the
+    totals stay right, but temporaries lose their shapes and op names (read the dump with
+    `parse_buffer_assignment` then).
 
     Args:
       fn: the jit-compiled function.
@@ -228,7 +229,7 @@ def compiled_bytes(
       platform_name: compile for this platform, e.g. "TPU"; default: where `fn` would run.
       **kwargs: its keyword arguments.
     """
-    if not getattr(fn, "_jit_compile", False):
+    if not is_jit_compiled(fn):
         raise ValueError(
             "compiled_bytes needs a tf.function(jit_compile=True); XLA plans buffers only for "
             f"programs it compiles, and {fn!r} is not one."
