@@ -16,9 +16,7 @@ import dataclasses
 import json
 import logging
 import re
-import time
 from collections.abc import Callable
-from typing import TypeVar
 
 import tensorflow as tf
 
@@ -29,15 +27,6 @@ INDEX_FILE = "checkpoint"  # the index of the checkpoints TensorFlow keeps in th
 _COMMITTED = re.compile(rf"^{PREFIX}-(\d+)\.index$")
 _PARTIAL = re.compile(rf"^{PREFIX}-(\d+)\.data-\d+-of-\d+$")
 _TEMPORARY = re.compile(rf"^{PREFIX}-\d+_temp/?$")  # where a sharded save writes before it commits
-TRANSIENT_ERRORS = (
-    tf.errors.UnavailableError,
-    tf.errors.DeadlineExceededError,
-    tf.errors.AbortedError,
-)
-RETRIES = 4
-FIRST_RETRY_SECONDS = 1.0
-
-T = TypeVar("T")
 
 
 class CheckpointError(Exception):
@@ -60,21 +49,6 @@ class Listing:
         return not self.committed and not self.has_index
 
 
-def with_retries(read: Callable[[], T], what: str) -> T:
-    """`read()`, retried with exponential back-off on transient storage errors (a flaky `gs://`
-    read must not look like a missing file); other errors and the last failure propagate."""
-    for attempt in range(RETRIES):
-        try:
-            return read()
-        except TRANSIENT_ERRORS as error:
-            if attempt == RETRIES - 1:
-                raise
-            wait = FIRST_RETRY_SECONDS * 2**attempt
-            logging.warning("%s failed (%s); retrying in %.0f s", what, error.message, wait)
-            time.sleep(wait)
-    raise AssertionError("unreachable")
-
-
 def step_of(prefix: str) -> int:
     """The step number N of a checkpoint prefix `.../ckpt-N`."""
     return int(prefix.rsplit("-", 1)[1])
@@ -82,9 +56,10 @@ def step_of(prefix: str) -> int:
 
 def list_checkpoints(directory: str) -> Listing:
     """Lists `directory` (which may not exist yet) and sorts what a checkpoint save leaves there."""
-    if not with_retries(lambda: tf.io.gfile.isdir(directory), f"checking {directory}"):
+    try:  # (not gfile.isdir: it answers False for any storage error, a flaky read included)
+        names = files.with_retries(lambda: tf.io.gfile.listdir(directory), f"listing {directory}")
+    except tf.errors.NotFoundError:
         return Listing(directory, [], [], [], has_index=False)
-    names = with_retries(lambda: tf.io.gfile.listdir(directory), f"listing {directory}")
     committed = {int(m[1]) for m in map(_COMMITTED.match, names) if m}
     partial = [name for name in names if (m := _PARTIAL.match(name)) and int(m[1]) not in committed]
     return Listing(
@@ -117,7 +92,7 @@ def restore_newest(listing: Listing, restore: Callable[[str], None]) -> str | No
     skipped = []
     for prefix in reversed(listing.committed):
         try:
-            with_retries(lambda prefix=prefix: restore(prefix), f"restoring {prefix}")
+            files.with_retries(lambda prefix=prefix: restore(prefix), f"restoring {prefix}")
         except Exception as error:  # noqa: BLE001 (TF raises many types for a bad file)
             skipped.append(f"{prefix}: {_first_line(error)}")
             logging.warning("skipping checkpoint %s", skipped[-1])
@@ -154,6 +129,11 @@ def repair_index(listing: Listing, newest: str) -> bool:
     kept = [prefix for prefix in listing.committed if step_of(prefix) <= step_of(newest)]
     lines = [f"model_checkpoint_path: {json.dumps(_name(newest))}"]
     lines += [f"all_model_checkpoint_paths: {json.dumps(_name(prefix))}" for prefix in kept]
+    # With their times the manager rotates these as its own; without, it keeps them forever.
+    lines += [
+        f"all_model_checkpoint_timestamps: {files.modified_time(prefix + '.index')}"
+        for prefix in kept
+    ]
     files.write_bytes(files.join(listing.directory, INDEX_FILE), "\n".join(lines) + "\n")
     return True
 

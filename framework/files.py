@@ -3,14 +3,29 @@
 TPU pods need their model_dir on Cloud Storage, so nothing that reads or writes a run directory
 may use `open`, `os` or `pathlib`: those would create `./gs:/BUCKET/...` in the working directory.
 These helpers go through `tf.io.gfile`, which serves local paths, `gs://` and TensorFlow's other
-filesystems (`ram://` in the tests) the same way.
+filesystems (`ram://` in the tests) the same way; `with_retries` repeats a read that failed
+on a transient storage error, so a flaky bucket is not taken for a missing file.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 import uuid
+from collections.abc import Callable
+from typing import TypeVar
 
 import tensorflow as tf
+
+TRANSIENT_ERRORS = (
+    tf.errors.UnavailableError,
+    tf.errors.DeadlineExceededError,
+    tf.errors.AbortedError,
+)
+RETRIES = 4
+FIRST_RETRY_SECONDS = 1.0
+
+T = TypeVar("T")
 
 
 def is_local(path: str) -> bool:
@@ -51,3 +66,18 @@ def check_writable(directory: str) -> None:
     with tf.io.gfile.GFile(probe, "w") as file:
         file.write("probe")
     tf.io.gfile.remove(probe)
+
+
+def with_retries(read: Callable[[], T], what: str) -> T:
+    """`read()`, retried with exponential back-off on transient storage errors (a flaky `gs://`
+    read must not look like a missing file); other errors and the last failure propagate."""
+    for attempt in range(RETRIES):
+        try:
+            return read()
+        except TRANSIENT_ERRORS as error:
+            if attempt == RETRIES - 1:
+                raise
+            wait = FIRST_RETRY_SECONDS * 2**attempt
+            logging.warning("%s failed (%s); retrying in %.0f s", what, error.message, wait)
+            time.sleep(wait)
+    raise AssertionError("unreachable")

@@ -72,6 +72,8 @@ class Holder:
         """Whether the holder was a process on this host that no longer runs."""
         if self.host != socket.gethostname():
             return False
+        if self.pid == os.getpid():  # an earlier process of this pid (a restarted container)
+            return True
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
@@ -117,6 +119,7 @@ class RunLock:
         self._fd: int | None = None
         self._lost: str | None = None
         self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
 
     def acquire(self) -> None:
         """Takes the lock, taking over a stale one with a warning; raises LockError if held."""
@@ -131,14 +134,21 @@ class RunLock:
         else:
             self._acquire_lease()
         if not self.use_flock:
-            threading.Thread(target=self._beat, daemon=True, name="run-lock-heartbeat").start()
+            self._heartbeat = threading.Thread(
+                target=self._beat, daemon=True, name="run-lock-heartbeat"
+            )
+            self._heartbeat.start()
         _held[self.path] = self
         atexit.register(self.release)
 
     def check(self) -> None:
         """Raises LockError if this lock is no longer held (taken over by another run)."""
         if self._lost is None and not self.use_flock:
-            current = self._read()
+            try:
+                current = self._read()
+            except tf.errors.OpError as error:  # unknown is not lost: the next check reads again
+                logging.warning("cannot read the lock %s: %s", self.path, error.message)
+                return
             if current is None or current.token != self.holder.token:
                 holder = current.describe() if current else "its file is gone"
                 self._lost = f"another run took over {self.path} ({holder})"
@@ -150,11 +160,13 @@ class RunLock:
         if _held.get(self.path) is not self:
             return
         del _held[self.path]
-        self._stop.set()
+        self._stop_heartbeat()
         self.holder = dataclasses.replace(self.holder, released=True)
         try:
             if self._lost is None and (self.use_flock or self._owns_file()):
                 self._write()
+        except tf.errors.OpError as error:  # at exit: the lease runs out by itself
+            logging.warning("cannot release the lock %s: %s", self.path, error.message)
         finally:
             if self._fd is not None:
                 os.close(self._fd)  # closing also drops the flock
@@ -163,19 +175,32 @@ class RunLock:
     def _hand_over(self, reason: str) -> int | None:
         """Gives up this lock to a new one in the same process: returns the flock descriptor."""
         self._lost = reason
-        self._stop.set()
+        self._stop_heartbeat()
         fd, self._fd = self._fd, None
         _held.pop(self.path, None)
         return fd
 
+    def _stop_heartbeat(self) -> None:
+        """Stops the lease's heartbeat and waits for a write it may be doing."""
+        self._stop.set()
+        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
+            self._heartbeat.join()
+
     def _acquire_flock(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        path = self.path.removeprefix("file://")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _parse(os.pread(fd, 1 << 16, 0).decode(errors="replace"))
             os.close(fd)
             raise LockError(self._held_message(holder)) from None
+        except OSError as error:  # a filesystem without flock
+            os.close(fd)
+            raise LockError(
+                f"cannot lock {path}: {error.strerror}; this filesystem has no flock. Use a "
+                "model_dir on a local disk, NFS or gs://"
+            ) from None
         self._fd = fd
         previous = _parse(os.pread(fd, 1 << 16, 0).decode(errors="replace"))
         if previous is not None and not previous.released:
@@ -227,9 +252,10 @@ class RunLock:
 
     def _read(self) -> Holder | None:
         try:
-            return _parse(files.read_text(self.path))
+            text = files.with_retries(lambda: files.read_text(self.path), "reading the lock")
         except tf.errors.NotFoundError:
             return None
+        return _parse(text)
 
     def _write(self) -> None:
         data = json.dumps(dataclasses.asdict(self.holder))

@@ -247,6 +247,12 @@ class Trainer:
         if at_start and self.is_chief and checkpoints.repair_index(listing, restored):
             logging.warning("rewrote %s/checkpoint to name %s", self.checkpoint_dir, restored)
         logging.info("restored step %d from %s", self.step, restored)
+        if at_start and float(self.learning_rate_scale.numpy()) != 1.0:
+            logging.warning(
+                "the learning rate is scaled by %g, as divergence rollbacks left it (saved with "
+                "the checkpoints): it multiplies Trainer.learning_rate's schedule",
+                float(self.learning_rate_scale.numpy()),
+            )
         return restored
 
     def _distributed_dataset(self, split: str, start_step: int = 0):
@@ -476,11 +482,14 @@ class Trainer:
             else "the weights became non-finite"
         )
         if self._rollbacks_left > 0:
-            diverged_at = self.step
+            diverged_at, scale = self.step, float(self.learning_rate_scale.numpy())
             restored = self._restore(at_start=False)
             if restored is not None:
                 self._rollbacks_left -= 1
-                self.learning_rate_scale.assign(self.learning_rate_scale * self._rollback_factor)
+                # Lower than before the rollback, not only than the checkpoint's: a run that
+                # diverges again before its next save rolls back to the same checkpoint.
+                restored_scale = float(self.learning_rate_scale.numpy())
+                self.learning_rate_scale.assign(min(scale, restored_scale) * self._rollback_factor)
                 logging.warning(
                     "%s before step %d: rolled back to %s with the learning rate scaled by "
                     "%g (now %g of the schedule); %d rollback(s) left",

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from framework import checkpoints
+from framework import checkpoints, files
 
 
 def save_steps(directory, steps=(2, 4, 6)):
@@ -146,7 +146,7 @@ def test_an_empty_or_missing_directory_has_nothing_to_restore(tmp_path):
 
 
 def test_transient_storage_errors_are_retried_a_bounded_number_of_times(monkeypatch):
-    monkeypatch.setattr(checkpoints, "FIRST_RETRY_SECONDS", 0.0)
+    monkeypatch.setattr(files, "FIRST_RETRY_SECONDS", 0.0)
     calls = []
 
     def flaky():
@@ -155,7 +155,7 @@ def test_transient_storage_errors_are_retried_a_bounded_number_of_times(monkeypa
             raise tf.errors.UnavailableError(None, None, "the bucket blinked")
         return "read"
 
-    assert checkpoints.with_retries(flaky, "reading") == "read" and len(calls) == 3
+    assert files.with_retries(flaky, "reading") == "read" and len(calls) == 3
 
     def down():
         calls.append(1)
@@ -163,8 +163,8 @@ def test_transient_storage_errors_are_retried_a_bounded_number_of_times(monkeypa
 
     calls.clear()
     with pytest.raises(tf.errors.UnavailableError):
-        checkpoints.with_retries(down, "reading")
-    assert len(calls) == checkpoints.RETRIES
+        files.with_retries(down, "reading")
+    assert len(calls) == files.RETRIES
 
 
 def test_a_non_local_filesystem_is_listed_and_restored_through_gfile():

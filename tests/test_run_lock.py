@@ -114,10 +114,20 @@ def test_a_lease_whose_process_is_gone_from_this_host_is_taken_over(tmp_path, ca
     assert "took over the stale lock" in caplog.text and f"pid {dead.pid}" in caplog.text
     other = tmp_path / "other"
     other.mkdir()
-    write_lock(other / "LOCK", host=socket.gethostname(), pid=os.getpid())  # alive
-    live = run_lock.RunLock(str(other), use_flock=False, lease_seconds=600)
-    with pytest.raises(run_lock.LockError, match=f"pid {os.getpid()}"):
-        live.acquire()
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        write_lock(other / "LOCK", host=socket.gethostname(), pid=alive.pid)
+        live = run_lock.RunLock(str(other), use_flock=False, lease_seconds=600)
+        with pytest.raises(run_lock.LockError, match=f"pid {alive.pid}"):
+            live.acquire()
+    finally:
+        alive.kill()
+        alive.wait()
+    # This process' own pid in a lock it does not hold: an earlier process (a restarted
+    # container keeps its host name and often its pid).
+    write_lock(other / "LOCK", host=socket.gethostname(), pid=os.getpid())
+    live.acquire()
+    live.release()
     lease.release()
 
 

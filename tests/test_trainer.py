@@ -158,6 +158,9 @@ def test_rollbacks_are_bounded_then_the_run_stops(tmp_path, caplog):
     with pytest.raises(TrainerError, match="diverged.*ckpt-2 is kept"):
         trainer.train()
     assert caplog.text.count("rolled back to") == 2
+    # Each rollback lowers the rate further, though both return to the same checkpoint.
+    assert "(now 0.5 of the schedule)" in caplog.text
+    assert "(now 0.25 of the schedule)" in caplog.text
     assert [os.path.basename(p) for p in checkpoints_on_disk(tmp_path)] == ["ckpt-1", "ckpt-2"]
 
 
