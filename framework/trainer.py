@@ -431,8 +431,8 @@ class Trainer:
                 f"{metrics['peak_memory_mib']:.0f} MiB" if "peak_memory_mib" in metrics else "n/a",
                 _format_duration(remaining),
             )
-            self._check_lock()
             if self.step % self.checkpoint_every == 0 or self.step >= stop:
+                self._check_lock()  # (on gs:// a read: only when a save is due)
                 self.checkpoints.save(checkpoint_number=self.step)
             self._preemption.save_checkpoint_if_preempted(checkpoint_number=self.step)
             if (
