@@ -1,14 +1,17 @@
-"""Makes the library's models, data sets and remat policies configurable from gin.
+"""Makes the library's models, data sets, losses, optimizers and remat policies configurable.
 
-The one place where gin meets `framework.models`, `framework.data` and `framework.remat` (t5x keeps
-gin at the edge the same way). Importing this module registers the names that `configs/*.gin` use.
+The one place where gin meets `framework.models`, `framework.data`, `framework.losses`,
+`framework.optim` and `framework.remat` (t5x keeps gin at the edge the same way). Importing this
+module registers the names that `configs/*.gin` use. The trainer's default loss and optimizer are
+the registered functions below, so a binding such as `optim.adamw.beta_2 = 0.98` takes effect
+whether or not `Trainer.optimizer_fn` is bound.
 """
 
 from collections.abc import Sequence
 
 import gin
 
-from framework import remat
+from framework import losses, optim, remat
 from framework.data import synthetic_images, text
 from framework.models import language, vit
 
@@ -30,6 +33,11 @@ for _model in (
 
 for _data in (text.TextCorpus, text.text_lm, text.text_mlm):
     gin.external_configurable(_data, module="data")
+
+cross_entropy = gin.external_configurable(losses.cross_entropy, module="losses")
+adamw = gin.external_configurable(optim.adamw, module="optim")
+sgd = gin.external_configurable(optim.sgd, module="optim")
+adafactor = gin.external_configurable(optim.adafactor, module="optim")
 
 
 @gin.configurable(module="remat")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs cloud-tpu-client (needed only for legacy TPU nodes, `Trainer.tpu_node = True`) without
+# Installs cloud-tpu-client (needed only for legacy TPU nodes, `Runtime.tpu_node = True`) without
 # breaking TensorFlow. Its release 0.10 pins google-api-python-client==1.8.0, which pulls an old
 # protobuf that TensorFlow 2.21 cannot import; it works with google-api-python-client 2.x, so it
 # is installed without its declared dependencies and those are installed at working versions.

@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-STRATEGY_BINDING = "--gin.Trainer.strategy='multi_worker_mirrored'"
+STRATEGY_BINDING = "--gin.Runtime.strategy='multi_worker_mirrored'"
 PREEMPTED_EXIT_CODE = 42
 POLL_SECONDS = 0.2
 

@@ -616,7 +616,7 @@ def setup(args: argparse.Namespace, runner: Runner) -> None:
     multi_host = is_multi_host(accelerator_type(args, runner))
     if args.libtpu_flags is not None and not multi_host:
         raise LaunchError(
-            "--libtpu_flags is for pod slices; on a single host use Trainer.libtpu_flags", 2
+            "--libtpu_flags is for pod slices; on a single host use Runtime.libtpu_flags", 2
         )
     check_tensorflow(args, runner)
     archive = f"framework-{uuid.uuid4().hex[:12]}.tar.gz"
@@ -651,11 +651,11 @@ def training_command(
 
     The runtime config comes last so it wins over a model config (as in launch/multi_gpu.sh);
     `--gin.` bindings still override it. On a pod the TPU's name reaches the resolver both as the
-    `Trainer.tpu` binding and as TPU_NAME, and TPU_LOAD_LIBRARY=0 keeps the client from loading
+    `Runtime.tpu` binding and as TPU_NAME, and TPU_LOAD_LIBRARY=0 keeps the client from loading
     libtpu, which the hosts' TPU worker services own (Google's TF pod tests set the same two).
     """
     if multi_host:
-        flags = ["--gin_file=runtime/tpu_pod.gin", f'--gin.Trainer.tpu="{args.name}"']
+        flags = ["--gin_file=runtime/tpu_pod.gin", f'--gin.Runtime.tpu="{args.name}"']
         environment = {"TPU_NAME": args.name, "TPU_LOAD_LIBRARY": "0"}
     else:
         flags = ["--gin_file=runtime/tpu_vm.gin"]

@@ -11,13 +11,15 @@ from tests.subprocesses import run_python
 EQUALITY_SCRIPT = """
     import json, tempfile
     from framework import distribute
+    from framework.runtime import Runtime
     from framework.trainer import Trainer
     from tests import tiny
 
     distribute.split_cpu({devices})  # before TensorFlow initialises its devices
     losses = {{}}
     for strategy in ("one_device", "mirrored"):
-        trainer = Trainer(tempfile.mkdtemp(), strategy=strategy, cpu_devices={devices},
+        runtime = Runtime(strategy, cpu_devices={devices})
+        trainer = Trainer(tempfile.mkdtemp(), runtime=runtime,
                           train_steps=10, remat_policy="nothing_saveable", **tiny.TRAINER_ARGS)
         trainer.train()
         losses[strategy] = float(trainer.evaluate()["loss"])

@@ -176,7 +176,7 @@ def test_the_pick_is_the_highest_throughput_that_fits_ties_going_to_less_recompu
         ),
         (
             "framework.plan",
-            ["--memory_budget=1GiB", "--gin.Trainer.strategy='tpu_v9'"],
+            ["--memory_budget=1GiB", "--gin.Runtime.strategy='tpu_v9'"],
             "cannot build the run: unknown strategy",
         ),
         ("framework.train", ["--gin.Trainer.remat_policy='auto'"], "needs --memory_budget"),

@@ -81,7 +81,7 @@ def test_packing_keeps_every_token_once_and_separates_documents():
 
 @pytest.mark.tf_compat
 def test_lm_batches_have_static_shapes_and_shifted_targets(corpus):
-    dataset = text.text_lm("train", 4, corpus=corpus)
+    dataset = text.text_lm("train", global_batch_size=4, corpus=corpus)
     inputs, targets, weights = dataset.element_spec
     for spec in (*inputs.values(), targets, weights):
         assert spec.shape == (4, LENGTH)
@@ -94,22 +94,28 @@ def test_lm_batches_have_static_shapes_and_shifted_targets(corpus):
 
 
 def test_train_stream_resumes_where_it_stopped(corpus):
-    first = list(text.text_lm("train", 2, corpus=corpus).take(5))
-    resumed = next(iter(text.text_lm("train", 2, corpus=corpus, start_step=4)))
+    first = list(text.text_lm("train", global_batch_size=2, corpus=corpus).take(5))
+    resumed = next(iter(text.text_lm("train", global_batch_size=2, corpus=corpus, start_step=4)))
     assert np.array_equal(resumed[0]["tokens"], first[4][0]["tokens"])
 
 
+def _pipeline(index: int, count: int) -> tf.distribute.InputContext:
+    return tf.distribute.InputContext(count, index, num_replicas_in_sync=count)
+
+
 def test_pipelines_split_each_global_batch(corpus):
-    whole = next(iter(text.text_lm("train", 4, corpus=corpus)))[0]["tokens"].numpy()
+    whole = next(iter(text.text_lm("train", global_batch_size=4, corpus=corpus)))[0][
+        "tokens"
+    ].numpy()
     parts = [
-        next(iter(text.text_lm("train", 2, corpus=corpus, pipeline_id=p, num_pipelines=2)))
+        next(iter(text.text_lm("train", _pipeline(p, 2), global_batch_size=4, corpus=corpus)))
         for p in range(2)
     ]
     assert np.array_equal(np.concatenate([p[0]["tokens"] for p in parts]), whole)
 
 
 def test_eval_is_finite_held_out_and_counts_every_target(corpus):
-    batches = list(text.text_lm("eval", 4, corpus=corpus))
+    batches = list(text.text_lm("eval", global_batch_size=4, corpus=corpus))
     assert batches
     vocab_list = corpus.vocab()
     documents = list(corpus.tokens("eval", vocab_list).as_numpy_iterator())
@@ -123,7 +129,7 @@ def test_eval_is_finite_held_out_and_counts_every_target(corpus):
 
 def test_mlm_masking_rates(corpus):
     ids = vocab.special_ids(corpus.vocab())
-    dataset = text.text_mlm("train", 32, corpus=corpus)
+    dataset = text.text_mlm("train", global_batch_size=32, corpus=corpus)
     picked = masked = random = kept = 0
     for inputs, labels, weights in dataset.take(16):
         tokens = inputs["tokens"].numpy()
@@ -182,7 +188,7 @@ def test_bad_corpus_arguments_name_the_parameter(tmp_path, overrides, error, mes
 
 def test_bad_mask_rate_names_the_parameter(corpus):
     with pytest.raises(ValueError, match="text_mlm.mask_rate must be a number > 0 and < 1, got 0"):
-        text.text_mlm("train", 2, corpus=corpus, mask_rate=0)
+        text.text_mlm("train", global_batch_size=2, corpus=corpus, mask_rate=0)
 
 
 def test_empty_corpus_is_one_clear_error(tmp_path):
@@ -191,7 +197,7 @@ def test_empty_corpus_is_one_clear_error(tmp_path):
         files=str(tmp_path / "empty.txt"), vocab_path=str(tmp_path / "vocab.txt"), vocab_size=64
     )
     with pytest.raises(ValueError, match="empty"):
-        text.text_lm("train", 2, corpus=corpus)
+        text.text_lm("train", global_batch_size=2, corpus=corpus)
 
 
 def test_vocab_larger_than_the_model_is_one_clear_error(corpus, tmp_path):
@@ -199,7 +205,7 @@ def test_vocab_larger_than_the_model_is_one_clear_error(corpus, tmp_path):
     vocab.save_vocab([*vocab.RESERVED_TOKENS, *(f"w{i}" for i in range(300))], str(big))
     small = text.TextCorpus(files=corpus.files, vocab_path=str(big), vocab_size=100)
     with pytest.raises(ValueError, match="more than vocab_size=100"):
-        text.text_lm("train", 2, corpus=small)
+        text.text_lm("train", global_batch_size=2, corpus=small)
 
 
 def test_json_lines_field(tmp_path):

@@ -292,7 +292,7 @@ def test_libtpu_flags_go_to_the_pod_hosts_tpu_runtime_service(cloud):
 def test_a_pod_slice_runs_one_client_on_worker_0(cloud):
     started(cloud, "v4-32")
     (call,) = cloud.lines(0, "train-calls.jsonl")
-    assert call["argv"] == [*FLAGS, "--gin_file=runtime/tpu_pod.gin", '--gin.Trainer.tpu="pod1"']
+    assert call["argv"] == [*FLAGS, "--gin_file=runtime/tpu_pod.gin", '--gin.Runtime.tpu="pod1"']
     assert call["env"]["TPU_NAME"] == "pod1" and call["env"]["TPU_LOAD_LIBRARY"] == "0"
     assert call["env"]["NEXT_PLUGGABLE_DEVICE_USE_C_API"] is None
     assert call["cwd"].endswith("framework-tpu/src")

@@ -93,7 +93,7 @@ def test_run_writes_config_command_checkpoints_and_resumes(tmp_path):
         (["--gin_file={tmp}/empty.gin"], "does not set Trainer.model_fn or Trainer.dataset_fn"),
         (["--gin.Trainer.no_such_setting=1"], "bad gin configuration"),
         (["--gin.Trainer.learning_rate='fast'"], "Trainer.learning_rate must be a positive number"),
-        (["--gin.Trainer.strategy='tpu_v9'"], "unknown strategy"),
+        (["--gin.Runtime.strategy='tpu_v9'"], "unknown strategy"),
         (["--gin.Trainer.train_steps"], "should look like --gin.NAME=VALUE"),
         (["--mode=sing"], "flag --mode=sing: value should be one of"),
         (["--nope=1"], "Unknown command line flag 'nope'"),
@@ -178,7 +178,6 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path):
         ("eval_every", 0, "Trainer.eval_every must be a positive integer or None, got 0"),
         ("weight_decay", "0.1", "Trainer.weight_decay must be a non-negative number, got '0.1'"),
         ("clip_norm", float("inf"), "Trainer.clip_norm must be a positive number or None"),
-        ("tpu_node", "False", "Trainer.tpu_node must be True or False, got 'False'"),
     ],
 )
 def test_trainer_settings_are_checked_before_anything_is_built(setting, value, message, tmp_path):

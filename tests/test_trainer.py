@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 from framework import remat as framework_remat
+from framework.runtime import Runtime
 from framework.trainer import Trainer, TrainerError
 from tests import tiny
 
@@ -235,8 +236,8 @@ def test_a_second_trainer_on_the_model_dir_stops_the_first_before_it_saves(tmp_p
 
 
 def test_finite_training_data_is_a_clear_error(tmp_path):
-    def short_dataset(split, batch_size, **kwargs):
-        return tiny.dataset_fn(split, batch_size, **kwargs).take(3)
+    def short_dataset(split, input_context=None, **kwargs):
+        return tiny.dataset_fn(split, input_context, **kwargs).take(3)
 
     trainer = make_trainer(tmp_path, train_steps=10, dataset_fn=short_dataset)
     with pytest.raises(TrainerError, match="training data ran out"):
@@ -244,8 +245,8 @@ def test_finite_training_data_is_a_clear_error(tmp_path):
 
 
 def test_empty_eval_data_is_a_clear_error(tmp_path):
-    def no_eval(split, batch_size, **kwargs):
-        return tiny.dataset_fn(split, batch_size, **kwargs).take(0)
+    def no_eval(split, input_context=None, **kwargs):
+        return tiny.dataset_fn(split, input_context, **kwargs).take(0)
 
     with pytest.raises(TrainerError, match="eval data set is empty"):
         make_trainer(tmp_path, dataset_fn=no_eval).evaluate()
@@ -254,19 +255,21 @@ def test_empty_eval_data_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"precision": "float8"}, "unknown precision"),
-        ({"strategy": "magic"}, "unknown strategy"),
+        ({"runtime": {"precision": "float8"}}, "unknown precision"),
+        ({"runtime": {"strategy": "magic"}}, "unknown strategy"),
         ({"train_steps": 0}, "Trainer.train_steps must be a positive integer, got 0"),
-        ({"xla_flags": ["xla_dump_to=/tmp"]}, "must start with '--'"),
+        ({"runtime": {"xla_flags": ["xla_dump_to=/tmp"]}}, "must start with '--'"),
     ],
 )
 def test_bad_settings_are_clear_errors(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
+        if "runtime" in overrides:
+            overrides = {"runtime": Runtime(**overrides["runtime"])}
         make_trainer(tmp_path, **overrides)
 
 
 def test_bfloat16_precision_trains(tmp_path):
-    trainer = make_trainer(tmp_path, train_steps=5, precision="bfloat16")
+    trainer = make_trainer(tmp_path, train_steps=5, runtime=Runtime(precision="bfloat16"))
     try:
         assert trainer.model.blocks[0].attention.qkv.compute_dtype == "bfloat16"
         assert np.isfinite(trainer.train()["loss"])
@@ -294,9 +297,9 @@ def test_unknown_remat_policy_lists_the_choices(tmp_path):
 
 
 def test_weighted_targets_count_only_where_weight_is_one(tmp_path):
-    def half_weighted(split, batch_size, **kwargs):
-        dataset = tiny.dataset_fn(split, batch_size, **kwargs)
-        return dataset.map(lambda x, y: (x, y, tf.cast(tf.range(batch_size) % 2, tf.float32)))
+    def half_weighted(split, input_context=None, **kwargs):
+        dataset = tiny.dataset_fn(split, input_context, **kwargs)
+        return dataset.map(lambda x, y: (x, y, tf.cast(tf.range(tf.size(y)) % 2, tf.float32)))
 
     trainer = make_trainer(tmp_path, train_steps=5, dataset_fn=half_weighted)
     metrics = trainer.train()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from framework import checks
+from framework.data import sharding
 
 SHAPES = ("disk", "square", "ring", "plus", "diamond", "triangle", "h_stripes", "v_stripes")
 HELD_OUT_SEED_OFFSET = 1_000_003
@@ -56,25 +57,22 @@ def make_example(index: tf.Tensor, seed: int, image_size: int, num_classes: int)
 
 def shapes(
     split: str,
-    batch_size: int,
+    input_context: tf.distribute.InputContext | None = None,
     *,
+    global_batch_size: int,
+    start_step: int = 0,
     image_size: int = 32,
     num_classes: int = len(SHAPES),
     seed: int = 0,
-    start_step: int = 0,
     eval_examples: int = 1024,
-    pipeline_id: int = 0,
-    num_pipelines: int = 1,
-    replicas_per_pipeline: int = 1,
 ) -> tf.data.Dataset:
     """Batches of (image [B, S, S, 3] float32, label [B] int32) from the shapes task.
 
     `split="train"` is an endless stream starting at global step `start_step`; `split="eval"` is
-    a fixed held-out set of `eval_examples` drawn from another seed, cut to whole batches.
-    `batch_size` is per replica. With several input pipelines, pipeline `p` of `num_pipelines`
-    makes the batches of its `replicas_per_pipeline` replicas, so that global step `s` always holds
-    the examples `[s * G, (s + 1) * G)` of the stream, whatever the device layout (G is the global
-    batch).
+    a fixed held-out set of `eval_examples` drawn from another seed, cut to whole global batches.
+    A data set function (`sharding.DatasetFn`): each input pipeline makes its replicas' batches,
+    so that global step `s` always holds the examples `[s * G, (s + 1) * G)` of the stream,
+    whatever the device layout (G is `global_batch_size`).
     """
     checks.integer("shapes.image_size", image_size)
     checks.integer("shapes.num_classes", num_classes)
@@ -86,8 +84,8 @@ def shapes(
         )
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    pipeline_batch = batch_size * replicas_per_pipeline
-    global_batch = pipeline_batch * num_pipelines
+    part = sharding.share(global_batch_size, input_context)
+    global_batch = part.global_batch
     if split == "train":
         steps = tf.data.Dataset.range(start_step, 2**62)
         stream_seed = seed
@@ -100,10 +98,9 @@ def shapes(
             )
         steps = tf.data.Dataset.range(num_steps)
         stream_seed = seed + HELD_OUT_SEED_OFFSET
-    first = pipeline_id * pipeline_batch
     indices = steps.flat_map(
         lambda step: tf.data.Dataset.range(
-            step * global_batch + first, step * global_batch + first + pipeline_batch
+            step * global_batch + part.first, step * global_batch + part.first + part.rows
         )
     )
     dataset = indices.map(
@@ -111,7 +108,7 @@ def shapes(
         num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=True,
     )
-    return dataset.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+    return dataset.batch(part.per_replica, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
 
 def chance_accuracy(num_classes: int = len(SHAPES)) -> float:

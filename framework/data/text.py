@@ -30,7 +30,7 @@ import tensorflow as tf
 import tensorflow_text as tf_text
 
 from framework import checks
-from framework.data import packing
+from framework.data import packing, sharding
 from framework.data import vocab as vocab_lib
 
 DOCUMENT_UNITS = ("line", "paragraph", "file")
@@ -328,21 +328,15 @@ def _log_stats(corpus: TextCorpus, split: str, vocab_version: int) -> None:
 _LOGGED: set = set()
 
 
-def _pipeline_share(
-    batches: tf.data.Dataset,
-    batch_size: int,
-    pipeline_id: int,
-    num_pipelines: int,
-    replicas_per_pipeline: int,
-) -> tf.data.Dataset:
+def _pipeline_share(batches: tf.data.Dataset, part: sharding.Share) -> tf.data.Dataset:
     """This pipeline's rows of each global batch, re-batched per replica."""
-    pipeline_batch = batch_size * replicas_per_pipeline
-    first = pipeline_id * pipeline_batch
-    if num_pipelines > 1:
+    if part.rows < part.global_batch:
         batches = batches.map(
-            lambda rows: tf.nest.map_structure(lambda x: x[first : first + pipeline_batch], rows)
+            lambda rows: tf.nest.map_structure(
+                lambda x: x[part.first : part.first + part.rows], rows
+            )
         )
-    return batches.unbatch().batch(batch_size, drop_remainder=True)
+    return batches.unbatch().batch(part.per_replica, drop_remainder=True)
 
 
 def lm_example(rows: dict[str, tf.Tensor]):
@@ -398,48 +392,40 @@ def mlm_example(
 
 def text_lm(
     split: str,
-    batch_size: int,
+    input_context: tf.distribute.InputContext | None = None,
     *,
-    corpus: TextCorpus,
+    global_batch_size: int,
     start_step: int = 0,
-    pipeline_id: int = 0,
-    num_pipelines: int = 1,
-    replicas_per_pipeline: int = 1,
+    corpus: TextCorpus,
 ) -> tf.data.Dataset:
     """Next-token batches ({"tokens", "segment_ids", "positions"}, targets, weights), each [B, T].
 
-    The trainer's `dataset_fn`: `batch_size` is per replica; pipeline `pipeline_id` of
-    `num_pipelines` serves its `replicas_per_pipeline` replicas' share of every global batch.
+    A data set function (`sharding.DatasetFn`): each input pipeline serves its replicas' rows of
+    every global batch.
     """
-    global_batch = batch_size * replicas_per_pipeline * num_pipelines
-    batches, _ = packed_rows(corpus, split, global_batch, start_step)
-    dataset = _pipeline_share(
-        batches, batch_size, pipeline_id, num_pipelines, replicas_per_pipeline
-    )
+    part = sharding.share(global_batch_size, input_context)
+    batches, _ = packed_rows(corpus, split, part.global_batch, start_step)
+    dataset = _pipeline_share(batches, part)
     return dataset.map(lm_example, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
 
 
 def text_mlm(
     split: str,
-    batch_size: int,
+    input_context: tf.distribute.InputContext | None = None,
     *,
+    global_batch_size: int,
+    start_step: int = 0,
     corpus: TextCorpus,
     mask_rate: float = 0.15,
-    start_step: int = 0,
-    pipeline_id: int = 0,
-    num_pipelines: int = 1,
-    replicas_per_pipeline: int = 1,
 ) -> tf.data.Dataset:
     """Masked-LM batches ({"tokens", "segment_ids", "positions", "masked_positions"}, labels,
     weights): tokens [B, T], the rest [B, P] (see `mlm_example`). Arguments as in `text_lm`.
     """
     checks.number("text_mlm.mask_rate", mask_rate, maximum=1.0)
-    global_batch = batch_size * replicas_per_pipeline * num_pipelines
-    batches, vocab = packed_rows(corpus, split, global_batch, start_step)
+    part = sharding.share(global_batch_size, input_context)
+    batches, vocab = packed_rows(corpus, split, part.global_batch, start_step)
     ids = vocab_lib.special_ids(vocab)
-    dataset = _pipeline_share(
-        batches, batch_size, pipeline_id, num_pipelines, replicas_per_pipeline
-    )
+    dataset = _pipeline_share(batches, part)
     return dataset.map(
         lambda rows: mlm_example(rows, ids, len(vocab), mask_rate),
         num_parallel_calls=tf.data.AUTOTUNE,

@@ -1,6 +1,7 @@
 """One combination's figures, measured in this process: `python -m framework.planner.measurement
-SPEC_JSON` builds the configured Trainer with the given remat policy and batch size, runs its
-compiled step and prints one JSON line with the results.
+SPEC_JSON` builds the configured Trainer with the given remat policy and batch size, without a
+model directory (no lock, checkpoints or summaries), runs its compiled step and prints one JSON
+line with the results.
 
 It runs in a fresh process per combination (see `launch.py`), with `TF_CPU_ALLOCATOR_USE_BFC=true`
 set before TensorFlow starts so the CPU allocator keeps the statistics the peak is read from.
@@ -12,7 +13,6 @@ import dataclasses
 import json
 import statistics
 import sys
-import tempfile
 import time
 
 # Failure stages: "config" means the run cannot be built as configured (a user error, the same for
@@ -111,24 +111,23 @@ def measure(spec: dict) -> Measurement:
         cli.parse_gin(spec["files"], _bindings(spec), spec["search_paths"])
     except cli.UsageError as error:
         return Measurement(policy, batch_size, error=str(error), stage=CONFIG_STAGE)
-    with tempfile.TemporaryDirectory(prefix="plan-") as model_dir:
-        try:
-            trainer = Trainer(model_dir)
-        except tf.errors.ResourceExhaustedError as error:
-            return Measurement(
-                policy, batch_size, error=f"out of memory: {_reason(error)}", stage=RUN_STAGE
-            )
-        except Exception as error:  # noqa: BLE001 (any failure to build is the config's)
-            return Measurement(policy, batch_size, error=_reason(error), stage=CONFIG_STAGE)
-        batch_size = trainer.global_batch_size
-        try:
-            return _measure_steps(trainer, policy, spec["steps"])
-        except tf.errors.ResourceExhaustedError as error:
-            return Measurement(
-                policy, batch_size, error=f"out of memory: {_reason(error)}", stage=RUN_STAGE
-            )
-        except Exception as error:  # noqa: BLE001 (reported in the plan's table, not raised)
-            return Measurement(policy, batch_size, error=_reason(error), stage=RUN_STAGE)
+    try:
+        trainer = Trainer(None)
+    except tf.errors.ResourceExhaustedError as error:
+        return Measurement(
+            policy, batch_size, error=f"out of memory: {_reason(error)}", stage=RUN_STAGE
+        )
+    except Exception as error:  # noqa: BLE001 (any failure to build is the config's)
+        return Measurement(policy, batch_size, error=_reason(error), stage=CONFIG_STAGE)
+    batch_size = trainer.global_batch_size
+    try:
+        return _measure_steps(trainer, policy, spec["steps"])
+    except tf.errors.ResourceExhaustedError as error:
+        return Measurement(
+            policy, batch_size, error=f"out of memory: {_reason(error)}", stage=RUN_STAGE
+        )
+    except Exception as error:  # noqa: BLE001 (reported in the plan's table, not raised)
+        return Measurement(policy, batch_size, error=_reason(error), stage=RUN_STAGE)
 
 
 def _measure_steps(trainer, policy: str, steps: int) -> Measurement:

@@ -1,0 +1,62 @@
+"""The data set protocol, and which rows of each global batch an input pipeline makes.
+
+A data set function, the trainer's `dataset_fn`, is called as
+
+    dataset_fn(split, input_context, *, global_batch_size, start_step)
+
+once per input pipeline (one per host under a multi-worker or TPU strategy, as
+`strategy.distribute_datasets_from_function` calls it) and returns that pipeline's batches of
+`input_context.get_per_replica_batch_size(global_batch_size)` examples: an endless stream for
+"train" starting at global step `start_step`, and a finite held-out set for "eval". Each
+element is (inputs, integer labels) or (inputs, labels, weights).
+
+The trainer, not the data set, owns the global batch size, since the planner and the user
+change it per run; `input_context=None` means one pipeline feeding one replica (a notebook, a
+test, or the planner's single-replica step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import tensorflow as tf
+
+
+class DatasetFn(Protocol):
+    def __call__(
+        self,
+        split: str,
+        input_context: tf.distribute.InputContext | None = None,
+        *,
+        global_batch_size: int,
+        start_step: int = 0,
+    ) -> tf.data.Dataset: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """One pipeline's part of every global batch.
+
+    Attributes:
+      per_replica: examples per replica batch (what the pipeline's batches hold).
+      rows: examples this pipeline makes per global batch (its replicas' batches together).
+      first: index of its first row within each global batch; pipelines take consecutive rows,
+        so global step `s` holds the same examples whatever the device layout.
+      global_batch: the global batch size.
+    """
+
+    per_replica: int
+    rows: int
+    first: int
+    global_batch: int
+
+
+def share(global_batch_size: int, input_context: tf.distribute.InputContext | None = None) -> Share:
+    """This pipeline's share of each global batch of `global_batch_size` examples."""
+    context = input_context or tf.distribute.InputContext()
+    if not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
+    per_replica = context.get_per_replica_batch_size(global_batch_size)  # raises if not even
+    rows = per_replica * (context.num_replicas_in_sync // context.num_input_pipelines)
+    return Share(per_replica, rows, context.input_pipeline_id * rows, global_batch_size)

@@ -1,0 +1,141 @@
+"""A run's state in its model directory: one writer, the newest good checkpoint restored, saves.
+
+- One writer per model_dir: the chief holds `run_lock.RunLock` from the start and checks it
+  before every save, so a run whose directory was taken over stops instead of overwriting.
+- Restore: checkpoints are found from their files, not only from the index file, so a lost
+  index is not a fresh start; a damaged checkpoint (TensorFlow checks each tensor's checksum) or
+  a non-finite one is skipped for the one before it; and a model_dir whose checkpoints all fail
+  stops the run (`TrainerError`) instead of starting over them (see `checkpoints`).
+- Every worker restores from model_dir and saves (saving is collective), but only the chief
+  writes into model_dir: the others write to a temporary directory of their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from framework import checkpoints, run_lock
+from framework.errors import TrainerError
+
+
+class RunState:
+    """The checkpoints of `model`, `optimizer` and `learning_rate_scale` in `model_dir`.
+
+    `is_finite()` says whether the state in memory is finite; a restored checkpoint must be.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        model: keras.Model,
+        optimizer: keras.optimizers.Optimizer,
+        learning_rate_scale: tf.Variable,
+        is_finite: Callable[[], bool],
+        is_chief: bool,
+        keep: int | None,
+        lease_seconds: float,
+    ):
+        self.model, self.optimizer = model, optimizer
+        self.learning_rate_scale = learning_rate_scale
+        self.is_finite = is_finite
+        self.is_chief = is_chief
+        self.directory = os.path.join(model_dir, "checkpoints")
+        self._lock = run_lock.RunLock(model_dir, lease_seconds=lease_seconds)
+        if is_chief:
+            try:
+                self._lock.acquire()
+            except run_lock.LockError as error:
+                raise TrainerError(str(error)) from None
+        self.restore(at_start=True)  # first: it repairs the index the manager reads
+        self.manager = tf.train.CheckpointManager(
+            tf.train.Checkpoint(
+                model=model, optimizer=optimizer, learning_rate_scale=learning_rate_scale
+            ),
+            self.directory if is_chief else tempfile.mkdtemp(prefix="ckpt-"),
+            max_to_keep=keep,
+            step_counter=optimizer.iterations,
+        )
+
+    @property
+    def step(self) -> int:
+        return int(self.optimizer.iterations.numpy())
+
+    def restore(self, at_start: bool = False) -> str | None:
+        """Restores the newest checkpoint that restores and is finite; returns it, or None
+        when model_dir holds none. `at_start` (the lock is held, no save is running) also
+        removes what interrupted saves left and repairs the index file."""
+        listing = checkpoints.list_checkpoints(self.directory)
+        if at_start and self.is_chief:
+            for path in checkpoints.remove_temporary(listing):
+                logging.info("removed %s, left by an interrupted save", path)
+        try:
+            restored = checkpoints.restore_newest(listing, self._restore)
+        except checkpoints.CheckpointError as error:
+            raise TrainerError(str(error)) from None
+        if restored is None:
+            logging.info("no checkpoint in %s: starting from scratch", self.directory)
+            return None
+        if at_start and self.is_chief and checkpoints.repair_index(listing, restored):
+            logging.warning("rewrote %s/checkpoint to name %s", self.directory, restored)
+        logging.info("restored step %d from %s", self.step, restored)
+        scale = float(self.learning_rate_scale.numpy())
+        if at_start and scale != 1.0:
+            logging.warning(
+                "the learning rate is scaled by %g, as divergence rollbacks left it (saved with "
+                "the checkpoints): it multiplies Trainer.learning_rate's schedule",
+                scale,
+            )
+        return restored
+
+    def _restore(self, prefix: str) -> None:
+        tf.train.Checkpoint(model=self.model, optimizer=self.optimizer).restore(
+            prefix
+        ).assert_existing_objects_matched().expect_partial()  # (the rest: below, TF's own)
+        # Apart, as checkpoints written before it existed lack it (they mean a scale of 1).
+        self.learning_rate_scale.assign(1.0)
+        tf.train.Checkpoint(learning_rate_scale=self.learning_rate_scale).restore(
+            prefix
+        ).expect_partial()
+        if not self.is_finite():
+            raise ValueError("it holds non-finite values (saved by a diverged run)")
+
+    def save(self) -> str:
+        """Saves the current step (unless it is saved already) after checking the lock."""
+        self.check_lock()  # (on gs:// a read: only when a save is due)
+        latest = self.manager.latest_checkpoint
+        if latest is not None and checkpoints.step_of(latest) == self.step:
+            return latest
+        return self.manager.save(checkpoint_number=self.step)
+
+    def check_lock(self) -> None:
+        """Stops before a save if another run took model_dir over (see `run_lock`)."""
+        if self.is_chief:
+            try:
+                self._lock.check()
+            except run_lock.LockError as error:
+                raise TrainerError(str(error)) from None
+
+    def newest_finite(self) -> str | None:
+        """The newest checkpoint in model_dir whose floating-point values are all finite (one
+        written before finite checks existed may not be)."""
+        for path in reversed(checkpoints.list_checkpoints(self.directory).committed):
+            try:
+                reader = tf.train.load_checkpoint(path)
+                values = (reader.get_tensor(name) for name in reader.get_variable_to_shape_map())
+                if all(
+                    np.isfinite(v).all()
+                    for v in values
+                    if np.issubdtype(np.asarray(v).dtype, np.floating)
+                ):
+                    return path
+            except (tf.errors.OpError, ValueError) as error:
+                logging.warning("cannot read checkpoint %s: %s", path, error)
+        return None
