@@ -8,6 +8,8 @@ setup(
     description="TensorFlow 2 training with first-class memory: remat policies, planning, XLA.",
     python_requires=">=3.10",
     packages=find_packages(include=["framework", "framework.*"]),
+    # The gin configs ship inside the package: an installed framework finds quickstart.gin.
+    package_data={"framework": ["configs/*.gin", "configs/*/*.gin"]},
     install_requires=[
         # TensorFlow 2.20 (the newest TPU build, `tensorflow-tpu`) and 2.21, the range that
         # framework/tf_internals.py checks; each tensorflow-text release pins its own TensorFlow
@@ -17,10 +19,16 @@ setup(
         "tensorboard>=2.20",
         "gin-config==0.5.0",
         "absl-py>=2.1",
-        "matplotlib>=3.5",  # plan.png of `python -m framework.plan`
+        "matplotlib>=3.5",  # plan.png of `python -m framework.planner`
     ],
     extras_require={
         "test": ["pytest>=8", "ruff>=0.6"],
     },
-    entry_points={"console_scripts": ["framework-train=framework.train:main"]},
+    entry_points={
+        "console_scripts": [
+            "framework-train=framework.train:console_main",
+            "framework-plan=framework.planner.__main__:console_main",
+            "framework-sample=framework.sample:console_main",
+        ]
+    },
 )

@@ -43,7 +43,6 @@ def pipeline_tokens_per_second(dataset, batches: int) -> float:
 def main(argv: Sequence[str]) -> None:
     del argv
 
-    import framework.configurables  # noqa: F401  (registers the gin names)
     from framework import trainer
 
     model_dir = tempfile.mkdtemp(prefix="input_pipeline_")

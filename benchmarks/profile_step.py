@@ -27,7 +27,8 @@ from collections.abc import Callable
 
 import remat_policies
 import tensorflow as tf
-from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+from framework.tf_internals import xplane_pb2
 
 HLO_NAME = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ", re.MULTILINE)
 

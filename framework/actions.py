@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+import tensorflow as tf
 
 from framework.errors import TrainerError
 
@@ -115,8 +118,11 @@ class LogProgress:
         else:
             rate = (step - self._since[1]) / max(now - self._since[0], 1e-9)
         peak = metrics.get("peak_memory_mib")
+        speed = f"{metrics['tflops_per_sec']:.3g} TFLOP/s" if "tflops_per_sec" in metrics else ""
+        if "mfu" in metrics:
+            speed += f", MFU {metrics['mfu']:.1%}"
         logging.info(
-            "step %d/%d: loss %.4f, accuracy %.3f, %.2f steps/s, %.0f examples/s, "
+            "step %d/%d: loss %.4f, accuracy %.3f, %.2f steps/s, %.0f examples/s, %s, "
             "peak memory %s, ETA %s",
             step,
             trainer.train_steps,
@@ -124,6 +130,7 @@ class LogProgress:
             metrics["accuracy"],
             metrics["steps_per_sec"],
             metrics["examples_per_sec"],
+            speed or "TFLOP/s n/a",
             "n/a" if peak is None else f"{peak:.0f} MiB",
             _format_duration((trainer.train_steps - step) / max(rate, 1e-9)),
         )
@@ -154,3 +161,58 @@ class Evaluate:
     def __call__(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         if _every(trainer.step, self.interval) and trainer.step < trainer.train_steps:
             trainer.evaluate()
+
+
+class Profile:
+    """A TensorBoard profile (trace viewer, op statistics) of the loops from step `first` to
+    step `last`, written under `logdir/plugins/profile/`.
+
+    Actions run between loops, so the window starts at the first loop boundary at or after
+    `first` and ends at the first at or after `last` (or at `train_steps`): with 100 steps per
+    loop, (150, 250) profiles steps 200 to 300. Start after the first loop, whose time is mostly
+    compilation.
+    """
+
+    def __init__(self, first: int, last: int, logdir: str):
+        if not 0 <= first < last:
+            raise ValueError(
+                f"Trainer.profile_steps must be (first, last) with 0 <= first < last, got "
+                f"({first}, {last})"
+            )
+        self.first, self.last, self.logdir = first, last, logdir
+        self.running = False
+
+    def __call__(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        end = min(self.last, trainer.train_steps)
+        if self.running and trainer.step >= end:
+            tf.profiler.experimental.stop()
+            self.running = False
+            logging.info("wrote a profile of the steps before %d to %s", trainer.step, self.logdir)
+        elif not self.running and self.first <= trainer.step < end:
+            tf.profiler.experimental.start(self.logdir)
+            self.running = True
+
+
+def built_in(
+    model_dir: str | None,
+    *,
+    checkpoint_every: int,
+    eval_every: int | None,
+    profile_steps: tuple[int, int] | None,
+    divergence_rollbacks: int,
+    rollback_learning_rate_factor: float,
+) -> list[Action]:
+    """The trainer's own actions, in the order they run (see the module docstring). Without a
+    model_dir nothing is saved or profiled."""
+    actions: list[Action] = [
+        StopDivergence(divergence_rollbacks, rollback_learning_rate_factor),
+        write_summaries,
+        LogProgress(),
+    ]
+    if model_dir is not None:
+        actions += [SaveCheckpoints(checkpoint_every), save_if_preempted]
+    if eval_every:
+        actions.append(Evaluate(eval_every))
+    if profile_steps and model_dir is not None:
+        actions.append(Profile(*profile_steps, os.path.join(model_dir, "train")))
+    return actions

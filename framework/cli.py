@@ -1,28 +1,39 @@
-"""What the binaries share: the gin flags, their parsing, the model directory, one-line errors.
+"""What the binaries share: one runner, their flags, gin parsing, the model directory.
 
-`python -m framework.train` and `python -m framework.plan` take the same config flags, so a plan
-is made for exactly the run that will be trained. The memory-budget flags live here too: the
-trainer uses them for `Trainer.remat_policy = "auto"`, the planner for its pick.
+Each binary (`framework.train`, `framework.planner`, `framework.sample`) defines the flags it uses
+with the `define_*` functions here and hands its `main(argv) -> exit status` to `run`, which:
 
-Bad input ends in one `error:` line on stderr and exit status 2, from a flag, a gin file or a
-binding alike: absl's flag errors are reported that way too (`parse_flags`), not with its usage.
+- rewrites t5x-style `--gin.NAME=VALUE` into `--gin_bindings` inside absl's flag parsing;
+- reports bad input - a bad or unknown flag, a gin file or binding, a `UserError` raised by
+  `main` - as one `error:` line on stderr and exit status 2 (absl would print its usage);
+- turns Ctrl-C before `main` handled it into status 130, as a shell's interrupted command;
+- keeps TensorFlow's start-up banners, its CUDA probes on machines without GPUs, its C++ INFO
+  lines and known-harmless Python warnings out of the console: `--verbosity=1` (or `-v 1`)
+  brings them back.
+
+`--help` lists every flag the binary takes and imports no TensorFlow.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 import os
+import re
+import subprocess
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
 import gin
-from absl import flags
+from absl import app, flags
 from gin import config_parser
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # TensorFlow's C++ INFO lines drown the progress
+from framework.errors import UsageError, UserError
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_GIN_FILE = "quickstart.gin"
 DEFAULT_MODEL_DIR = "runs/quickstart"
 GIN_SHORTHAND = "--gin."
@@ -34,45 +45,105 @@ DEFAULT_POLICIES = (
     "random_masks_saveable",
     "nothing_saveable",
 )
-
-flags.DEFINE_multi_string("gin_file", None, "Gin config files, found on --gin_search_paths.")
-flags.DEFINE_multi_string("gin_param", None, "Gin bindings, e.g. 'Trainer.train_steps = 100'.")
-flags.DEFINE_multi_string("gin_bindings", None, "Alias of --gin_param.")
-flags.DEFINE_list(
-    "gin_search_paths", [".", str(CONFIGS_DIR)], "Directories searched for --gin_file."
-)
-flags.DEFINE_string(
-    "model_dir",
-    None,
-    f"Output directory (default {DEFAULT_MODEL_DIR} with no --gin_file; required otherwise).",
-)
-flags.DEFINE_string(
-    "memory_budget",
-    None,
-    "Memory per device the step must fit in, e.g. 16GiB (powers of 1024) or 16GB (of 1000). "
-    "framework.plan picks against it; framework.train needs it with Trainer.remat_policy='auto'.",
-)
-flags.DEFINE_float(
-    "safety_margin",
-    0.1,
-    "Fraction of --memory_budget kept free: a pick's peak must stay below budget * (1 - margin).",
-    lower_bound=0.0,
-    upper_bound=0.9,
-)
-flags.DEFINE_list(
-    "policies",
-    list(DEFAULT_POLICIES),
-    "Remat policies to try, from the least recomputation to the most: equally fast ones are "
-    "decided in this order.",
-)
-FLAGS = flags.FLAGS
 USAGE_EXIT_CODE = 2
+INTERRUPTED_EXIT_CODE = 130  # a shell's status for a command ended by SIGINT (128 + 2)
 # The statements of a gin file that run code or read files: refused in a run's config.gin.
 RUN_CODE = (config_parser.ImportStatement, config_parser.IncludeStatement)
+# Python warnings TensorFlow raises on every run that say nothing about the user's program.
+HARMLESS_WARNINGS = (
+    "To make it possible to preserve tf.data options across serialization boundaries",
+)
+# Lines TensorFlow's C++ runtime writes on every start (before its log level is read, so
+# TF_CPP_MIN_LOG_LEVEL cannot hide them) or at every finite data set's end, which say nothing
+# about the user's run: kept off the console by `quiet_tensorflow`.
+TENSORFLOW_NOISE = (
+    "All log messages before absl::InitializeLog() is called are written to STDERR",
+    "oneDNN custom operations are on",
+    "Could not find cuda drivers on your machine",
+    "failed call to cuInit",
+    "Unable to register cu",  # cuDNN, cuFFT, cuBLAS factories on GPU builds
+    "computation placer already registered",
+    "This TensorFlow binary is optimized to use available CPU instructions",
+    "To enable the following instructions",
+    "TF-TRT Warning",
+    "Local rendezvous is aborting with status: OUT_OF_RANGE: End of sequence",
+    "does not implement the AsGraphDefInternal() method needed to apply optimizations",
+)
+# Reads this process' stderr from a pipe and passes on every line but the noise. A separate
+# process, so that nothing is lost if this one crashes (it reads to the end of the pipe), and one
+# that outlives Ctrl-C and SIGTERM, so that the run's last lines still reach the console.
+_STDERR_FILTER = """
+import re, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+noise = re.compile(sys.argv[1].encode())
+for line in sys.stdin.buffer:
+    if not noise.search(line):
+        sys.stdout.buffer.write(line)
+        sys.stdout.buffer.flush()
+"""
+FLAGS = flags.FLAGS
 
 
-class UsageError(Exception):
-    """Bad input on the command line or in a config: reported in one line, exit status 2."""
+def define_config_flags() -> None:
+    """The flags that name a run's config: gin files, bindings, search paths, model_dir.
+
+    The `define_*` functions define each flag once per process (tests import several binaries);
+    a binary then adopts them as its own (`flags.adopt_module_key_flags(cli)`) so that `--help`
+    lists them."""
+    if "gin_file" in FLAGS:
+        return
+    flags.DEFINE_multi_string(
+        "gin_file",
+        None,
+        f"Gin config files, found on --gin_search_paths (default {DEFAULT_GIN_FILE}).",
+    )
+    flags.DEFINE_multi_string(
+        "gin_bindings",
+        None,
+        "Gin bindings, e.g. 'Trainer.train_steps = 100'; --gin.Trainer.train_steps=100 is the "
+        "same.",
+    )
+    flags.DEFINE_alias("gin_param", "gin_bindings")
+    flags.DEFINE_list(
+        "gin_search_paths",
+        [".", str(CONFIGS_DIR)],
+        "Directories searched for --gin_file (the package's configs/ last).",
+    )
+    define_model_dir_flag(
+        f"Output directory (default {DEFAULT_MODEL_DIR} with no --gin_file; required otherwise)."
+    )
+
+
+def define_model_dir_flag(help_text: str) -> None:
+    if "model_dir" not in FLAGS:
+        flags.DEFINE_string("model_dir", None, help_text)
+
+
+def define_budget_flags(memory_budget_help: str) -> None:
+    """--memory_budget, --safety_margin and --policies: what the planner picks against."""
+    if "memory_budget" in FLAGS:
+        return
+    flags.DEFINE_string(
+        "memory_budget",
+        None,
+        "Memory per device the step must fit in, e.g. 16GiB (powers of 1024) or 16GB (of 1000). "
+        + memory_budget_help,
+    )
+    flags.DEFINE_float(
+        "safety_margin",
+        0.1,
+        "Fraction of --memory_budget kept free: a pick's peak must stay below budget * (1 - "
+        "margin).",
+        lower_bound=0.0,
+        upper_bound=0.9,
+    )
+    flags.DEFINE_list(
+        "policies",
+        list(DEFAULT_POLICIES),
+        "Remat policies to try, from the least recomputation to the most: equally fast ones are "
+        "decided in this order.",
+    )
 
 
 def first_line(error: BaseException | str) -> str:
@@ -88,38 +159,114 @@ def exit_with_error(error: BaseException | str, status: int = USAGE_EXIT_CODE) -
     sys.exit(status)
 
 
-def parse_flags(argv: Sequence[str]) -> list[str]:
-    """absl's flag parsing for `app.run(..., flags_parser=parse_flags)`: a bad or unknown flag is
-    one `error:` line and status 2, like any other bad input (absl prints its usage, status 1)."""
-    try:
-        return FLAGS(list(argv))
-    except flags.Error as error:
-        exit_with_error(error)
-
-
-def split_gin_shorthand(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Separates t5x-style `--gin.NAME=VALUE` arguments from the rest, as gin bindings."""
-    rest, bindings = [], []
+def rewrite_gin_shorthand(argv: Sequence[str]) -> list[str]:
+    """`--gin.NAME=VALUE` as `--gin_bindings=NAME = VALUE` (t5x's shorthand)."""
+    rewritten = []
     for arg in argv:
         if arg.startswith(GIN_SHORTHAND):
             name, sep, value = arg[len(GIN_SHORTHAND) :].partition("=")
             if not sep or not name:
                 raise UsageError(f"{arg!r} should look like --gin.NAME=VALUE")
-            bindings.append(f"{name} = {value}")
-        else:
-            rest.append(arg)
-    return rest, bindings
+            arg = f"--gin_bindings={name} = {value}"
+        rewritten.append(arg)
+    return rewritten
+
+
+def _parse_flags(argv: Sequence[str]) -> list[str]:
+    try:
+        return FLAGS(rewrite_gin_shorthand(argv))
+    except (flags.Error, UsageError) as error:
+        exit_with_error(error)
+    except SystemExit:  # absl ends --help with status 1; asking for help is not an error
+        if any(arg.lstrip("-") in ("help", "h", "helpshort", "helpfull") for arg in argv[1:]):
+            sys.exit(0)
+        raise
+
+
+def filter_stderr(noise: Sequence[str]) -> None:
+    """From now on, lines of this process' stderr (Python's and C++'s alike) that contain one of
+    `noise` are dropped; the others pass unchanged."""
+    sys.stderr.flush()
+    read_end, write_end = os.pipe()
+    console = os.dup(2)
+    subprocess.Popen(
+        [sys.executable, "-c", _STDERR_FILTER, "|".join(map(re.escape, noise))],
+        stdin=read_end,
+        stdout=console,
+        close_fds=True,
+    )
+    os.dup2(write_end, 2)
+    for fd in (read_end, write_end, console):
+        os.close(fd)
+
+
+def quiet_tensorflow() -> None:
+    """Keeps TensorFlow's noise (see `TENSORFLOW_NOISE`), its C++ INFO lines, its per-save
+    Python INFO lines and known-harmless warnings off the console unless --verbosity is 1 or
+    more. Called before TensorFlow loads."""
+    if "verbosity" in FLAGS and FLAGS["verbosity"].value >= 1:
+        return
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    for name in ("tensorflow", "absl"):  # our own lines use the root logger
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for message in HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    filter_stderr(TENSORFLOW_NOISE)
+
+
+def run(main: Callable[[list[str]], int | None]) -> NoReturn:
+    """Runs a binary's `main(argv)` under absl with the behaviour in the module docstring."""
+
+    def wrapped(argv: list[str]) -> None:
+        quiet_tensorflow()
+        logging.getLogger().setLevel(logging.INFO)
+        try:
+            status = main(argv)
+        except UserError as error:
+            exit_with_error(error, error.exit_status)
+        except KeyboardInterrupt:
+            exit_with_error("interrupted", INTERRUPTED_EXIT_CODE)
+        sys.exit(status or 0)
+
+    try:
+        app.run(wrapped, flags_parser=_parse_flags)
+    except KeyboardInterrupt:  # during flag parsing or absl's set-up
+        exit_with_error("interrupted", INTERRUPTED_EXIT_CODE)
+
+
+def binding_name(configurable: Callable, parameter: str, module: str | None = None) -> str:
+    """The gin name of `parameter` of `configurable`, e.g. "Trainer.remat_policy": checked
+    against its signature, so a renamed argument fails here, not as a binding gin ignores."""
+    target = configurable.__init__ if inspect.isclass(configurable) else configurable
+    if parameter not in inspect.signature(target).parameters:
+        raise TypeError(f"{configurable.__name__} has no parameter {parameter!r}")
+    return ".".join(filter(None, (module, configurable.__name__, parameter)))
+
+
+def bound_value(name: str) -> object:
+    """The value gin binds to `name`, or None when nothing binds it."""
+    try:
+        return gin.query_parameter(name)
+    except ValueError:
+        return None
 
 
 def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str]) -> None:
-    """Parses gin files and bindings; a missing file or a bad binding becomes a UsageError."""
-    for path in search_paths:
-        gin.add_config_file_search_path(path)
+    """Parses gin files and bindings; a missing file or a bad binding becomes a UsageError.
+
+    Files are resolved here and given to gin by their full path: gin's own lookup logs an error
+    line for every search path that does not hold the file, even when another does.
+    """
+    paths = []
     for name in files:
-        if not any(Path(root, name).is_file() for root in ("", *search_paths)):
+        found = [Path(root, name) for root in ("", *search_paths) if Path(root, name).is_file()]
+        if not found:
             raise UsageError(f"gin file {name!r} not found (searched: {', '.join(search_paths)})")
+        paths.append(str(found[0]))
+    for path in search_paths:  # for `include` lines inside the files
+        gin.add_config_file_search_path(path)
     try:
-        gin.parse_config_files_and_bindings(files, bindings, finalize_config=True)
+        gin.parse_config_files_and_bindings(paths, bindings, finalize_config=True)
     except (ValueError, SyntaxError, KeyError, TypeError, OSError) as error:
         message = " ".join(str(error).split())
         raise UsageError(f"bad gin configuration: {message}") from None
@@ -172,13 +319,11 @@ def prepare_model_dir(model_dir: str) -> None:
         raise UsageError(f"model_dir {model_dir!r} is not writable: {reason}{hint}") from None
 
 
-def gin_inputs(argv: Sequence[str], gin_shorthand: Sequence[str]) -> tuple[list[str], list[str]]:
+def gin_inputs(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """The gin files and bindings the flags name, and checks there are no stray arguments."""
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    files = FLAGS.gin_file or [DEFAULT_GIN_FILE]
-    bindings = [*(FLAGS.gin_param or []), *(FLAGS.gin_bindings or []), *gin_shorthand]
-    return files, bindings
+    return FLAGS.gin_file or [DEFAULT_GIN_FILE], list(FLAGS.gin_bindings or [])
 
 
 def model_dir_flag() -> str:

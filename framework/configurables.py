@@ -1,10 +1,11 @@
 """Makes the library's models, data sets, losses, optimizers and remat policies configurable.
 
 The one place where gin meets `framework.models`, `framework.data`, `framework.losses`,
-`framework.optim` and `framework.remat` (t5x keeps gin at the edge the same way). Importing this
-module registers the names that `configs/*.gin` use. The trainer's default loss and optimizer are
-the registered functions below, so a binding such as `optim.adamw.beta_2 = 0.98` takes effect
-whether or not `Trainer.optimizer_fn` is bound.
+`framework.optim` and `framework.remat` (t5x keeps gin at the edge the same way). `Trainer` and
+`Runtime` register themselves, and the trainer imports this module: importing
+`framework.trainer` registers every name `framework/configs/*.gin` use. The trainer's default
+loss and optimizer are the registered functions below, so a binding such as
+`optim.adamw.beta_2 = 0.98` takes effect whether or not `Trainer.optimizer_fn` is bound.
 """
 
 from collections.abc import Sequence

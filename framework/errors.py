@@ -1,14 +1,35 @@
-"""The errors a run ends with that the user can act on: reported in one line, no traceback."""
+"""The errors a run ends with that the user can act on: one `error:` line, no traceback.
+
+`cli.run` prints a `UserError` as one line and exits with its `exit_status`.
+"""
 
 from __future__ import annotations
 
 
-class TrainerError(RuntimeError):
-    """A problem the user can fix (bad data, divergence, an unreadable checkpoint)."""
+class UserError(Exception):
+    """A problem the user can fix; reported in one line."""
+
+    exit_status = 2
+
+
+class UsageError(UserError):
+    """Bad input on the command line or in a config."""
+
+
+class TrainerError(UserError, RuntimeError):
+    """A problem of the run (bad data, divergence, an unreadable checkpoint, a taken lock)."""
+
+
+class Interrupted(UserError):
+    """Ctrl-C during training: the line says whether the step was saved; status 130."""
+
+    exit_status = 130
 
 
 class PreemptedError(Exception):
     """SIGTERM arrived (a preempted TPU VM or GPU node): a checkpoint was saved at `step`."""
+
+    exit_status = 42  # what TensorFlow's own preemption handling uses for "restart me"
 
     def __init__(self, step: int):
         super().__init__(f"preempted: saved a checkpoint at step {step}; run again to resume")

@@ -192,7 +192,12 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _parse(os.pread(fd, 1 << 16, 0).decode(errors="replace"))
+            # The holder writes who it is right after taking the lock: give it a moment.
+            for _ in range(20):
+                holder = _parse(os.pread(fd, 1 << 16, 0).decode(errors="replace"))
+                if holder is not None:
+                    break
+                time.sleep(0.05)
             os.close(fd)
             raise LockError(self._held_message(holder)) from None
         except OSError as error:  # a filesystem without flock

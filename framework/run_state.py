@@ -8,6 +8,8 @@
   stops the run (`TrainerError`) instead of starting over them (see `checkpoints`).
 - Every worker restores from model_dir and saves (saving is collective), but only the chief
   writes into model_dir: the others write to a temporary directory of their own.
+- After SIGTERM (a preempted TPU VM or GPU node), TensorFlow's handler makes the workers agree
+  on a step, all save there, and the run stops with `PreemptedError`.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from framework import checkpoints, run_lock
-from framework.errors import TrainerError
+from framework import checkpoints, distribute, run_lock
+from framework.errors import PreemptedError, TrainerError
 
 
 class RunState:
@@ -39,14 +41,14 @@ class RunState:
         optimizer: keras.optimizers.Optimizer,
         learning_rate_scale: tf.Variable,
         is_finite: Callable[[], bool],
-        is_chief: bool,
+        strategy: tf.distribute.Strategy,
         keep: int | None,
         lease_seconds: float,
     ):
         self.model, self.optimizer = model, optimizer
         self.learning_rate_scale = learning_rate_scale
         self.is_finite = is_finite
-        self.is_chief = is_chief
+        self.is_chief = is_chief = distribute.is_chief(strategy)
         self.directory = os.path.join(model_dir, "checkpoints")
         self._lock = run_lock.RunLock(model_dir, lease_seconds=lease_seconds)
         if is_chief:
@@ -62,6 +64,14 @@ class RunState:
             self.directory if is_chief else tempfile.mkdtemp(prefix="ckpt-"),
             max_to_keep=keep,
             step_counter=optimizer.iterations,
+        )
+        # TensorFlow's handler makes all workers agree on the step to save at after SIGTERM.
+        self._preemption = tf.distribute.experimental.PreemptionCheckpointHandler(
+            strategy.cluster_resolver,
+            self.manager,
+            termination_config=tf.distribute.experimental.TerminationConfig(
+                exit_fn=self._preempted
+            ),
         )
 
     @property
@@ -114,6 +124,13 @@ class RunState:
         if latest is not None and checkpoints.step_of(latest) == self.step:
             return latest
         return self.manager.save(checkpoint_number=self.step)
+
+    def save_if_preempted(self) -> None:
+        """After SIGTERM: saves where all workers agree, then raises `PreemptedError`."""
+        self._preemption.save_checkpoint_if_preempted(checkpoint_number=self.step)
+
+    def _preempted(self) -> None:
+        raise PreemptedError(self.step)
 
     def check_lock(self) -> None:
         """Stops before a save if another run took model_dir over (see `run_lock`)."""

@@ -2,7 +2,8 @@
 
 These settings change where and how fast a step runs, never what it computes (up to the
 precision), so they are grouped apart from the model and the training settings: a run moves from
-a laptop to a TPU pod by swapping its `Runtime` (`configs/runtime/*.gin`) and nothing else.
+a laptop to a TPU pod by swapping its `Runtime` (`framework/configs/runtime/*.gin`) and nothing
+else.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ import gin
 import keras
 import tensorflow as tf
 
-from framework import checks, distribute, xla
+from framework import checks, distribute, flops, xla
 
 PRECISIONS = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
+# Datasheet peak of dense matrix products, TFLOP/s per GPU, in bfloat16 (what MFU is quoted
+# against), matched in the name TensorFlow reports for the GPU. TPUs report no type to TensorFlow:
+# set `Runtime.peak_tflops` (v4: 275, v5e: 197, v5p: 459, v6e: 918 per chip).
+GPU_PEAK_TFLOPS = {"H100": 989.0, "A100": 312.0, "L4": 121.0, "A10G": 70.0, "V100": 125.0}
 
 
 @gin.configurable
@@ -34,6 +39,9 @@ class Runtime:
       xla_flags, tf_xla_flags, libtpu_flags: flags for `XLA_FLAGS`, `TF_XLA_FLAGS` and
         `LIBTPU_INIT_ARGS`, set before anything compiles (see `xla.set_xla_flags`).
       precision: `float32`, or `bfloat16` (bfloat16 compute, float32 weights).
+      peak_tflops: the peak TFLOP/s of one device, which model FLOPs utilisation (MFU) is
+        measured against. None: looked up for known GPUs, measured on CPUs (a short matrix
+        product benchmark), unknown on TPUs (then set it).
     """
 
     strategy: str = "one_device"
@@ -45,6 +53,7 @@ class Runtime:
     tf_xla_flags: Sequence[str] = ()
     libtpu_flags: Sequence[str] = ()
     precision: str = "float32"
+    peak_tflops: float | None = None
 
     def __post_init__(self) -> None:
         # Gin passes any value: check before anything is set or built.
@@ -58,6 +67,7 @@ class Runtime:
                 f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}"
             )
         checks.integer("Runtime.cpu_devices", self.cpu_devices, optional=True)
+        checks.number("Runtime.peak_tflops", self.peak_tflops, optional=True)
         checks.boolean("Runtime.tpu_node", self.tpu_node)
 
     def start(self) -> tf.distribute.Strategy:
@@ -76,3 +86,20 @@ class Runtime:
         )
         keras.config.set_dtype_policy(PRECISIONS[self.precision])
         return strategy
+
+    def peak_flops_per_device(self, strategy: tf.distribute.Strategy) -> tuple[float | None, str]:
+        """The peak FLOP/s of one of the strategy's devices, and where the figure comes from."""
+        if self.peak_tflops:
+            return self.peak_tflops * 1e12, "Runtime.peak_tflops"
+        kind = tf.DeviceSpec.from_string(strategy.extended.worker_devices[0]).device_type
+        if kind == "GPU":
+            gpu = tf.config.list_physical_devices("GPU")[0]
+            name = tf.config.experimental.get_device_details(gpu).get("device_name", "")
+            for model, tflops in GPU_PEAK_TFLOPS.items():
+                if model in name:
+                    return tflops * 1e12, f"datasheet of {name}"
+            return None, f"no datasheet figure for {name!r}: set Runtime.peak_tflops"
+        if kind == "CPU":
+            local = len(strategy.extended.worker_devices)  # logical devices share the cores
+            return flops.measure_cpu_flops() / local, "measured float32 matmul on this CPU"
+        return None, f"{kind} reports no type to TensorFlow: set Runtime.peak_tflops"

@@ -18,12 +18,12 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from absl import app, flags
+from absl import flags
 
-from framework import cli  # defines --model_dir, shared with the trainer
+from framework import cli
+from framework.errors import UsageError, UserError
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
+cli.define_model_dir_flag("The training run's model directory (required).")
 flags.DEFINE_string("prompt", "", "Text to continue; empty starts a new document.")
 flags.DEFINE_float(
     "temperature", 0.8, "Sampling temperature; 0 picks the likeliest token.", lower_bound=0.0
@@ -32,10 +32,12 @@ flags.DEFINE_integer(
     "max_tokens", 64, "Tokens to generate (fewer if [EOS] comes first).", lower_bound=1
 )
 flags.DEFINE_integer("seed", 0, "Seed of the sampling.")
+flags.adopt_module_key_flags(cli)
+flags.declare_key_flag("verbosity")
 FLAGS = flags.FLAGS
 
 
-class SampleError(Exception):
+class SampleError(UserError):
     """A problem the user can fix (no run there, no checkpoint, no vocabulary)."""
 
 
@@ -44,8 +46,8 @@ def load_run(model_dir: str):
     import gin
     import tensorflow as tf
 
-    import framework.configurables  # noqa: F401  (registers the names config.gin uses)
-    from framework import trainer  # noqa: F401  (registers Trainer)
+    from framework import trainer  # registers the names config.gin uses (see configurables)
+    from framework.data import text
     from framework.data import vocab as vocab_lib
 
     config = os.path.join(model_dir, "config.gin")
@@ -55,13 +57,16 @@ def load_run(model_dir: str):
     with tf.io.gfile.GFile(config) as f:
         cli.parse_run_config(f.read(), config)
     try:
-        vocab_path = gin.query_parameter("data.TextCorpus.vocab_path")
+        vocab_path = gin.query_parameter(
+            cli.binding_name(text.TextCorpus, "vocab_path", module="data")
+        )
     except ValueError:
         vocab_path = os.path.join(model_dir, "vocab.txt")
     if not tf.io.gfile.exists(vocab_path):
         raise SampleError(f"the run's vocabulary {vocab_path} is missing")
     vocab = vocab_lib.load_vocab(vocab_path)
-    model = gin.query_parameter("Trainer.model_fn").scoped_configurable_fn()
+    model_fn = gin.query_parameter(cli.binding_name(trainer.Trainer, "model_fn"))
+    model = model_fn.scoped_configurable_fn()
     from framework import checkpoints
 
     listing = checkpoints.list_checkpoints(os.path.join(model_dir, "checkpoints"))
@@ -123,15 +128,15 @@ def generate(
     return text.detokenize(tokenizer, [context], tuple(ids.values()))[0].numpy().decode("utf-8")
 
 
-def main(argv: Sequence[str]) -> None:
+def main(argv: Sequence[str]) -> int:
     if len(argv) > 1:
-        cli.exit_with_error(f"unexpected arguments: {' '.join(argv[1:])}")
+        raise UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     if not FLAGS.model_dir:
-        cli.exit_with_error("--model_dir is required")
+        raise UsageError("--model_dir is required")
     try:
         model, vocab = load_run(FLAGS.model_dir)
-    except (SampleError, cli.UsageError, ValueError) as error:
-        cli.exit_with_error(error)
+    except ValueError as error:
+        raise UsageError(cli.first_line(error)) from None
     completion = generate(
         model,
         vocab,
@@ -141,7 +146,13 @@ def main(argv: Sequence[str]) -> None:
         seed=FLAGS.seed,
     )
     print(completion)
+    return 0
+
+
+def console_main() -> None:
+    """Entry point: `python -m framework.sample`, `framework-sample`."""
+    cli.run(main)
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.parse_flags)
+    console_main()

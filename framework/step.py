@@ -196,6 +196,38 @@ def make_eval_loop(
     return tf.function(eval_loop)
 
 
+def loop_metrics(
+    sums,
+    num_steps: int,
+    seconds: float,
+    *,
+    global_batch_size: int,
+    learning_rate: float,
+    peak_bytes: int | None = None,
+    flops: tuple[float, float | None] | None = None,
+) -> dict[str, float]:
+    """A host loop's metrics from the sums its train loop returned (`TRAIN_SUMS`) and its time;
+    `flops` is (model FLOPs per step, peak FLOP/s of all devices or None)."""
+    loss_sum, correct, count, norm_sum = sums
+    metrics = {
+        "loss": loss_sum / count,
+        "accuracy": correct / count,
+        "grad_norm": norm_sum / num_steps,
+        "learning_rate": learning_rate,
+        "steps_per_sec": num_steps / seconds,
+        "examples_per_sec": num_steps * global_batch_size / seconds,
+        "targets_per_sec": count / seconds,
+    }
+    if peak_bytes is not None:
+        metrics["peak_memory_mib"] = peak_bytes / 2**20
+    if flops is not None:
+        flops_per_step, peak = flops
+        metrics["tflops_per_sec"] = flops_per_step * num_steps / seconds / 1e12
+        if peak:
+            metrics["mfu"] = flops_per_step * num_steps / seconds / peak
+    return metrics
+
+
 def _sum(strategy: tf.distribute.Strategy, per_replica) -> tf.Tensor:
     return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 

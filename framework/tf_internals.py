@@ -23,13 +23,15 @@ from collections.abc import Callable
 import tensorflow as tf
 
 # XLA's protocol buffers, re-exported: the compiler IR TensorFlow returns for memory measurement is
-# an `hlo_pb2.HloProto`, but TensorFlow does not export these modules, so their path may move.
+# an `hlo_pb2.HloProto`, but TensorFlow does not export these modules, so their path may move. The
+# same for the profiler's `xplane_pb2.XSpace`, the format of a TensorBoard profile.
 from tensorflow.compiler.xla import xla_data_pb2 as xla_data_pb2
 from tensorflow.compiler.xla.service import hlo_pb2 as hlo_pb2
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import context, record
 from tensorflow.python.framework import op_callbacks
 from tensorflow.python.ops import control_flow_v2_func_graphs
+from tensorflow.tsl.profiler.protobuf import xplane_pb2 as xplane_pb2
 
 # Releases (major.minor) the test suite passed on; 2.20 is the newest TPU build (`tensorflow-tpu`).
 # Keep in step with setup.py's `tensorflow` and `tensorflow-text` ranges, .ci/run and the copy in

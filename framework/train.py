@@ -7,9 +7,10 @@ build leaves an earlier run's `config.gin` as it was. Problems the user can fix 
 stderr and exit status 2: bad flags or config, a full disk, a step that does not fit in device
 memory. A preempted run (SIGTERM) saves a checkpoint and exits with status 42; Ctrl-C saves one
 (when there is a finite state to save) and exits with status 130, as a shell's interrupted
-command does.
+command does. `--print_config` builds the run without a model directory and prints the operative
+gin config (what `config.gin` would hold), without training.
 
-`Trainer.remat_policy = "auto"` with `--memory_budget` runs the planner (`framework.plan`) first,
+`Trainer.remat_policy = "auto"` with `--memory_budget` runs the planner (`framework.planner`) first,
 over `--policies` at the config's batch size, and trains with its pick. The binary resolves "auto":
 the Trainer and the remat library only ever see a real policy.
 """
@@ -26,20 +27,26 @@ import sys
 from collections.abc import Sequence
 
 import gin
-from absl import app, flags
+from absl import flags
 
 from framework import cli
-from framework.cli import UsageError, parse_gin, prepare_model_dir, split_gin_shorthand
+from framework.errors import Interrupted, UsageError
 
 AUTO_POLICY = "auto"
-PREEMPTED_EXIT_CODE = 42  # what TensorFlow's own preemption handling uses for "restart me"
-INTERRUPTED_EXIT_CODE = 130  # a shell's status for a command ended by SIGINT (128 + 2)
-REQUIRED_BINDINGS = ("Trainer.model_fn", "Trainer.dataset_fn")
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 # How TensorFlow's file system errors spell those errnos: "<path>; No space left on device".
 DISK_FULL = re.compile(r"([^\s;]*);? (No space left on device|File too large|Disk quota exceeded)")
 
+cli.define_config_flags()
+cli.define_budget_flags("Needed with Trainer.remat_policy='auto': the planner picks against it.")
 flags.DEFINE_enum("mode", "train_and_eval", ["train", "eval", "train_and_eval"], "What to run.")
+flags.DEFINE_bool(
+    "print_config",
+    False,
+    "Build the run without a model directory, print the operative gin config and exit.",
+)
+flags.adopt_module_key_flags(cli)
+flags.declare_key_flag("verbosity")
 FLAGS = flags.FLAGS
 
 
@@ -57,36 +64,20 @@ def write_run_record(model_dir: str, config: str, command: str) -> None:
         tf.io.gfile.rename(config_path, kept, overwrite=True)
     files.write_bytes(config_path, config)
     files.write_bytes(files.join(model_dir, "command"), command + "\n")
-    logging.info("command: %s", command)
-    logging.info("operative gin config:\n%s", config)
+    logging.info("wrote %s (the operative config) and the command", config_path)
+    logging.debug("operative gin config:\n%s", config)
 
 
-class Interrupted(Exception):
-    """Ctrl-C: reported in one line, exit status 130."""
-
-
-def _binding(name: str) -> object:
-    """The value gin binds to `name`, or None when nothing binds it."""
-    try:
-        return gin.query_parameter(name)
-    except ValueError:
-        return None
-
-
-def check_required_bindings() -> None:
+def check_required_bindings(trainer_class: type) -> None:
     """A config with no model or no data set (an empty gin file) is bad input: gin would stop
     with a RuntimeError and its traceback when the Trainer is called."""
-    missing = [name for name in REQUIRED_BINDINGS if _binding(name) is None]
+    required = [cli.binding_name(trainer_class, name) for name in ("model_fn", "dataset_fn")]
+    missing = [name for name in required if cli.bound_value(name) is None]
     if missing:
         raise UsageError(
             f"the config does not set {' or '.join(missing)}: is a gin file empty? "
-            "configs/quickstart.gin shows a complete one"
+            "framework/configs/quickstart.gin shows a complete one"
         )
-
-
-def _wants_auto_policy() -> bool:
-    policy = _binding("Trainer.remat_policy")
-    return isinstance(policy, str) and policy.strip().lower() == AUTO_POLICY
 
 
 def out_of_resources(error: Exception, model_dir: str) -> str | None:
@@ -108,7 +99,7 @@ def out_of_resources(error: Exception, model_dir: str) -> str | None:
         return (
             f"out of device memory: {cli.first_line(error)[:200]}. Try a remat policy "
             "(--gin.Trainer.remat_policy=\"'nothing_saveable'\") or a smaller "
-            "Trainer.global_batch_size; python -m framework.plan --memory_budget=... finds the "
+            "Trainer.global_batch_size; python -m framework.planner --memory_budget=... finds the "
             "fastest setting that fits"
         )
     else:
@@ -120,22 +111,26 @@ def out_of_resources(error: Exception, model_dir: str) -> str | None:
     )
 
 
-def resolve_auto_policy(files: Sequence[str], bindings: Sequence[str], model_dir: str) -> None:
+def resolve_auto_policy(
+    trainer_class: type, files: Sequence[str], bindings: Sequence[str], model_dir: str
+) -> None:
     """Replaces `Trainer.remat_policy = "auto"` by the planner's pick for --memory_budget.
 
     The plan (`plan.json`, `plan.png`) is written to model_dir beside the run, and the pick is
     bound in gin so that the `config.gin` of the run names the policy it trained with.
     """
+    name = cli.binding_name(trainer_class, "remat_policy")
     budget = cli.memory_budget_flag()
-    if not _wants_auto_policy():
+    policy = cli.bound_value(name)
+    if not (isinstance(policy, str) and policy.strip().lower() == AUTO_POLICY):
         if budget is not None:
             raise UsageError(
-                "--memory_budget is only used with Trainer.remat_policy = 'auto'; drop it or set "
-                "--gin.Trainer.remat_policy=\"'auto'\""
+                f"--memory_budget is only used with {name} = 'auto'; drop it or set "
+                f"--gin.{name}=\"'auto'\""
             )
         return
     if budget is None:
-        raise UsageError("Trainer.remat_policy = 'auto' needs --memory_budget, e.g. 16GiB")
+        raise UsageError(f"{name} = 'auto' needs --memory_budget, e.g. 16GiB")
     from framework import planner
 
     config = planner.RunConfig(files, bindings, FLAGS.gin_search_paths)
@@ -143,7 +138,7 @@ def resolve_auto_policy(files: Sequence[str], bindings: Sequence[str], model_dir
         plan = planner.make_plan(
             config, budget, cli.policies_flag(), safety_margin=FLAGS.safety_margin
         )
-    except planner.launch.ConfigError as error:
+    except planner.ConfigError as error:
         raise UsageError(str(error)) from None
     planner.write_plan(plan, model_dir)
     logging.info("remat policy auto: plan\n%s", planner.table(plan))
@@ -151,7 +146,7 @@ def resolve_auto_policy(files: Sequence[str], bindings: Sequence[str], model_dir
         raise UsageError(f"remat policy auto: {planner.verdict(plan)}")
     logging.info("remat policy auto: %s", planner.verdict(plan))
     with gin.unlock_config():
-        gin.bind_parameter("Trainer.remat_policy", plan.pick.policy)
+        gin.bind_parameter(name, plan.pick.policy)
 
 
 def _save_interrupted(run_trainer) -> str:
@@ -166,17 +161,21 @@ def _save_interrupted(run_trainer) -> str:
     return f"interrupted at step {run_trainer.step}; saved {saved}: the same command resumes"
 
 
-def _build_and_run(model_dir: str) -> dict[str, float]:
-    """Builds the Trainer from the parsed config, records the run, then runs --mode."""
-    from framework import trainer
-
+def _build(trainer_class: type, model_dir: str | None):
     try:
-        run_trainer = trainer.Trainer(model_dir)
+        return trainer_class(model_dir)
     except (ValueError, TypeError) as error:
         raise UsageError(f"cannot build the run: {cli.first_line(error)}") from None
+
+
+def _build_and_run(trainer_class: type, model_dir: str) -> dict[str, float]:
+    """Builds the Trainer from the parsed config, records the run, then runs --mode."""
+    run_trainer = _build(trainer_class, model_dir)
     # Only now, with the config built: a bad one never replaces an earlier run's record.
     if run_trainer.is_chief:  # one record per cluster
-        write_run_record(model_dir, gin.operative_config_str(), shlex.join(sys.argv))
+        config = gin.operative_config_str()
+        write_run_record(model_dir, config, shlex.join(sys.argv))
+        run_trainer.write_text("operative_config", config)
     try:
         if FLAGS.mode == "train":
             return run_trainer.train()
@@ -187,55 +186,41 @@ def _build_and_run(model_dir: str) -> dict[str, float]:
         raise Interrupted(_save_interrupted(run_trainer)) from None
 
 
-def run(argv: Sequence[str], gin_shorthand: Sequence[str]) -> dict[str, float]:
-    """Configures and runs the trainer for the parsed flags; returns the final metrics."""
-    files, bindings = cli.gin_inputs(argv, gin_shorthand)
-    model_dir = cli.model_dir_flag()
+def main(argv: Sequence[str]) -> int:
+    """Configures and runs the trainer for the parsed flags; returns the exit status."""
+    files, bindings = cli.gin_inputs(argv)
+    model_dir = None if FLAGS.print_config else cli.model_dir_flag()
 
     import tensorflow as tf
 
-    import framework.configurables  # noqa: F401  (registers the gin names)
-    from framework import trainer  # noqa: F401  (registers Trainer)
+    from framework.errors import PreemptedError
+    from framework.trainer import Trainer  # registers every gin name (see configurables)
 
-    parse_gin(files, bindings, FLAGS.gin_search_paths)
-    check_required_bindings()
-    prepare_model_dir(model_dir)
-    resolve_auto_policy(files, bindings, model_dir)
+    cli.parse_gin(files, bindings, FLAGS.gin_search_paths)
+    check_required_bindings(Trainer)
+    if FLAGS.print_config:
+        _build(Trainer, None)
+        print(gin.operative_config_str())
+        return 0
+    cli.prepare_model_dir(model_dir)
+    resolve_auto_policy(Trainer, files, bindings, model_dir)
     try:
-        return _build_and_run(model_dir)
+        _build_and_run(Trainer, model_dir)
+    except PreemptedError as preempted:
+        logging.info("%s", preempted)
+        return preempted.exit_status
     except (OSError, tf.errors.OpError) as error:
         message = out_of_resources(error, model_dir)
         if message is None:
             raise
         raise UsageError(message) from None
+    return 0
 
 
-def main() -> None:
-    """Entry point: `python -m framework.train`."""
-    try:
-        argv, shorthand = split_gin_shorthand(sys.argv)
-    except UsageError as error:
-        cli.exit_with_error(error)
-
-    def app_main(args: Sequence[str]) -> None:
-        from framework.trainer import PreemptedError, TrainerError  # after the flags: TF is slow
-
-        logging.getLogger().setLevel(logging.INFO)
-        try:
-            run(args, shorthand)
-        except (UsageError, TrainerError) as error:
-            cli.exit_with_error(error)
-        except Interrupted as interrupted:
-            cli.exit_with_error(interrupted, INTERRUPTED_EXIT_CODE)
-        except PreemptedError as preempted:
-            logging.info("%s", preempted)
-            sys.exit(PREEMPTED_EXIT_CODE)
-
-    try:
-        app.run(app_main, argv=argv, flags_parser=cli.parse_flags)
-    except KeyboardInterrupt:  # before the Trainer was built: there is nothing to save
-        cli.exit_with_error("interrupted before training started", INTERRUPTED_EXIT_CODE)
+def console_main() -> None:
+    """Entry point: `python -m framework.train`, `framework-train`."""
+    cli.run(main)
 
 
 if __name__ == "__main__":
-    main()
+    console_main()

@@ -29,6 +29,7 @@ from framework import (
     checks,
     configurables,
     distribute,
+    flops,
     losses,
     memory,
     optim,
@@ -37,7 +38,7 @@ from framework import (
     step,
 )
 from framework.data.sharding import DatasetFn
-from framework.errors import PreemptedError, TrainerError
+from framework.errors import TrainerError
 from framework.run_state import RunState
 from framework.runtime import Runtime
 
@@ -68,6 +69,8 @@ class Trainer:
         repeated blocks.
       runtime: strategy, devices, compiler flags, precision; `Runtime()` (gin-bound) if None.
       actions: more callables `action(trainer, metrics)` run after the built-in ones.
+      profile_steps: (first, last): a TensorBoard profile of the loops between these steps,
+        in `model_dir/train` (see `actions.Profile`).
       seed: seeds Python, NumPy, TensorFlow and Keras.
     """
 
@@ -96,6 +99,7 @@ class Trainer:
         remat_policy: str | remat.policies.Policy | None = None,
         runtime: Runtime | None = None,
         actions: Sequence[actions_lib.Action] = (),
+        profile_steps: Sequence[int] | None = None,
         seed: int = 0,
     ):
         # Gin passes any value: check types and ranges before anything is built.
@@ -140,6 +144,7 @@ class Trainer:
         self.loss_fn = loss_fn
         self.microbatches = microbatches
         self.traces: collections.Counter[str] = collections.Counter()
+        self._flops: tuple[float, float | None] | None = None  # per step, peak of all devices
         # Peak memory is logged per loop for the first replica's device, if its allocator counts.
         self._memory_device = distribute.first_device(self.strategy)
         if not memory.keeps_statistics(self._memory_device):
@@ -160,11 +165,14 @@ class Trainer:
             )
             self.optimizer.build(self.model.trainable_variables)
         logging.info(
-            "model %s: %s parameters, precision %s, %s",
+            "run: model %s (%s parameters), data %s, global batch %d, remat %s, precision %s, %s",
             self.model.name,
             f"{self.model.count_params():,}",
+            getattr(getattr(dataset_fn, "func", dataset_fn), "__name__", "?"),
+            global_batch_size,
+            remat_policy or "none",
             self.runtime.precision,
-            type(self.optimizer).__name__,
+            type(self.optimizer).__name__.removeprefix("ReducedGradient"),
         )
         self._is_finite = step.make_finite_check(self.model.variables + self.optimizer.variables)
         self._train_loop = step.make_train_loop(
@@ -178,13 +186,7 @@ class Trainer:
         )
         self._eval_loop = step.make_eval_loop(self.strategy, self.model, loss_fn=loss_fn)
 
-        self.run_state: RunState | None = None
-        self._preemption = None
-        builtin: list[actions_lib.Action] = [
-            actions_lib.StopDivergence(divergence_rollbacks, rollback_learning_rate_factor),
-            actions_lib.write_summaries,
-            actions_lib.LogProgress(),
-        ]
+        self.run_state = None
         if model_dir is not None:
             self.run_state = RunState(
                 model_dir,
@@ -192,25 +194,21 @@ class Trainer:
                 optimizer=self.optimizer,
                 learning_rate_scale=self.learning_rate_scale,
                 is_finite=self.state_is_finite,
-                is_chief=self.is_chief,
+                strategy=self.strategy,
                 keep=keep_checkpoints,
                 lease_seconds=lock_lease_seconds,
             )
-            # TensorFlow's handler makes all workers agree on the step to save at after SIGTERM.
-            self._preemption = tf.distribute.experimental.PreemptionCheckpointHandler(
-                self.strategy.cluster_resolver,
-                self.run_state.manager,
-                termination_config=tf.distribute.experimental.TerminationConfig(
-                    exit_fn=self._preempted
-                ),
-            )
-            builtin += [
-                actions_lib.SaveCheckpoints(checkpoint_every or steps_per_loop),
-                actions_lib.save_if_preempted,
-            ]
-        if eval_every:
-            builtin.append(actions_lib.Evaluate(eval_every))
-        self.actions = [*builtin, *actions]
+        self.actions = [
+            *actions_lib.built_in(
+                model_dir,
+                checkpoint_every=checkpoint_every or steps_per_loop,
+                eval_every=eval_every,
+                profile_steps=profile_steps,
+                divergence_rollbacks=divergence_rollbacks,
+                rollback_learning_rate_factor=rollback_learning_rate_factor,
+            ),
+            *actions,
+        ]
         # Built now, so a bad data configuration fails before training and gin records it.
         self._eval_dataset = self._distributed_dataset("eval")
         self._writers = {
@@ -258,7 +256,7 @@ class Trainer:
 
     def run_steps(self, iterator, num_steps: int) -> np.ndarray:
         """Runs `num_steps` compiled train steps; returns the sums of `step.TRAIN_SUMS`. No
-        actions: `train` adds them, and measurements (`framework.plan`) call this directly."""
+        actions: `train` adds them, and measurements (`framework.planner`) call this directly."""
         try:
             return self._train_loop(iterator, tf.constant(num_steps)).numpy()
         except tf.errors.OutOfRangeError:
@@ -275,24 +273,38 @@ class Trainer:
         return step.compiled_gradients(self.model, self.loss_fn, self.microbatches), batch
 
     def run_loop(self, iterator, num_steps: int) -> dict[str, float]:
-        """Runs one host loop of `num_steps` steps; returns its metrics."""
+        """Runs one host loop of `num_steps` steps; returns its metrics (`step.loop_metrics`)."""
         start = time.perf_counter()
         tracker = memory.PeakTracker(self._memory_device, strict=False)
         with tracker if self._memory_device else contextlib.nullcontext():
-            loss_sum, correct, count, norm_sum = self.run_steps(iterator, num_steps)
-        seconds = time.perf_counter() - start
-        metrics = {
-            "loss": loss_sum / count,
-            "accuracy": correct / count,
-            "grad_norm": norm_sum / num_steps,
-            "learning_rate": float(self.optimizer.learning_rate.numpy()),
-            "steps_per_sec": num_steps / seconds,
-            "examples_per_sec": num_steps * self.global_batch_size / seconds,
-            "targets_per_sec": count / seconds,
-        }
-        if tracker.result is not None:
-            metrics["peak_memory_mib"] = tracker.result.peak_bytes / 2**20
-        return metrics
+            sums = self.run_steps(iterator, num_steps)
+        return step.loop_metrics(
+            sums,
+            num_steps,
+            time.perf_counter() - start,
+            global_batch_size=self.global_batch_size,
+            learning_rate=float(self.optimizer.learning_rate.numpy()),
+            peak_bytes=tracker.result.peak_bytes if tracker.result else None,
+            flops=self._flops,
+        )
+
+    def _count_flops(self) -> None:
+        """Model FLOPs of a step (see `flops`) and the peak of the devices, once per trainer."""
+        if self._flops is not None:
+            return
+        replicas = self.strategy.num_replicas_in_sync
+        inputs = self.compiled_step()[1][0]
+        per_replica, exact = flops.model_flops_per_step(self.model, inputs)
+        peak, source = self.runtime.peak_flops_per_device(self.strategy)
+        self._flops = (per_replica * replicas, peak and peak * replicas)
+        logging.info(
+            "model FLOPs per step: %.3g%s (3 x the forward pass's matmuls, counted in XLA's "
+            "program); peak %s per device (%s)",
+            per_replica * replicas,
+            "" if exact else " or more (a loop's trip count is unknown)",
+            f"{peak / 1e12:.3g} TFLOP/s" if peak else "unknown",
+            source,
+        )
 
     def train(self, max_steps: int | None = None) -> dict[str, float]:
         """Trains from the current step to `train_steps` and returns the last loop's metrics.
@@ -306,6 +318,13 @@ class Trainer:
         if self.step >= stop:
             logging.info("at step %d of %d: nothing to train", self.step, self.train_steps)
             return {}
+        logging.info(
+            "training from step %d to %d, %d steps per loop (the first loop compiles the step)",
+            self.step,
+            stop,
+            self.steps_per_loop,
+        )
+        self._count_flops()
         iterator = self.train_iterator()
         metrics: dict[str, float] = {}
         while self.step < stop:
@@ -328,8 +347,9 @@ class Trainer:
         return self.run_state.save() if self.run_state else None
 
     def save_if_preempted(self) -> None:
-        if self._preemption is not None:
-            self._preemption.save_checkpoint_if_preempted(checkpoint_number=self.step)
+        """After SIGTERM, saves at a step all workers agree on and stops (`PreemptedError`)."""
+        if self.run_state is not None:
+            self.run_state.save_if_preempted()
 
     def save_interrupted(self) -> str | None:
         """Saves the current step after Ctrl-C, so that the same command resumes there rather
@@ -346,8 +366,11 @@ class Trainer:
             return None
         return self.save()
 
-    def _preempted(self) -> None:
-        raise PreemptedError(self.step)
+    def write_text(self, name: str, text: str) -> None:
+        """`text` as a TensorBoard text summary under `model_dir/train`, shown verbatim."""
+        with self._writers["train"].as_default(step=self.step):
+            tf.summary.text(name, "\n".join("    " + line for line in text.splitlines()))
+        self._writers["train"].flush()
 
     def write_summaries(self, split: str, metrics: dict[str, float]) -> None:
         with self._writers[split].as_default(step=self.step):

@@ -27,8 +27,8 @@ def set_xla_flags(
     tf_xla_flags: Sequence[str] = (),
     libtpu_flags: Sequence[str] = (),
 ) -> dict[str, str]:
-    """Writes the flags to `XLA_FLAGS`, `TF_XLA_FLAGS` and `LIBTPU_INIT_ARGS`, logs and returns
-    the three values."""
+    """Writes the flags to `XLA_FLAGS`, `TF_XLA_FLAGS` and `LIBTPU_INIT_ARGS`, logs the ones that
+    are set and returns the three values."""
     for flag in (*xla_flags, *tf_xla_flags, *libtpu_flags):
         if not flag.startswith("--"):
             raise ValueError(f"XLA flag {flag!r} must start with '--', e.g. '--xla_dump_to=/tmp/x'")
@@ -37,5 +37,6 @@ def set_xla_flags(
             os.environ[var] = merge_flags(os.environ.get(var, ""), flags)
     values = {var: os.environ.get(var, "") for var in ENV_VARS}
     for var, value in values.items():
-        logging.info("%s=%s", var, value or "(unset)")
+        if value:
+            logging.info("%s=%s", var, value)
     return values

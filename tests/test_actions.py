@@ -25,6 +25,7 @@ class RecordLoops:
         self.seen.append((trainer.step, set(metrics), [f for f in saved if f.endswith(".index")]))
 
 
+@pytest.mark.slow
 def test_actions_run_after_every_loop_in_order(tmp_path, caplog):
     record = RecordLoops()
     trainer = Trainer(
@@ -59,6 +60,7 @@ class StopAt:
             raise KeyboardInterrupt
 
 
+@pytest.mark.slow
 def test_an_action_bound_by_gin_runs(tmp_path):
     gin.clear_config()
     try:

@@ -8,7 +8,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.subprocesses import REPO_DIR, child_env
+
+pytestmark = pytest.mark.slow  # subprocesses: the full tier only
 
 
 def run_benchmark(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -4,7 +4,6 @@ import gin
 import keras
 import pytest
 
-import framework.configurables  # noqa: F401  (registers the gin names)
 from framework import cli, trainer  # noqa: F401  (registers Trainer)
 
 TOO_BIG_TO_BUILD = {"models/decoder_1b.gin"}  # 3.9 GB of float32 weights

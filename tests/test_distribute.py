@@ -8,6 +8,8 @@ import pytest
 from framework import distribute
 from tests.subprocesses import run_python
 
+pytestmark = pytest.mark.slow  # subprocesses: the full tier only
+
 EQUALITY_SCRIPT = """
     import json, tempfile
     from framework import distribute

@@ -98,6 +98,7 @@ def test_rows_longer_than_max_length_are_a_clear_error():
         model(_rows(np.ones((1, 32)), np.ones((1, 32))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", BUILDERS)
 def test_remat_gradients_match_for_every_policy(kind):
     model = BUILDERS[kind](**{**TINY, "dropout": 0.1})
@@ -126,6 +127,7 @@ def test_remat_gradients_match_for_every_policy(kind):
     remat.set_grad_checkpointing(model, enable=False)
 
 
+@pytest.mark.slow
 def test_tiny_decoder_learns_text_traces_once_and_samples(tmp_path):
     corpus_file = tmp_path / "corpus.txt"
     corpus_file.write_text(
@@ -198,6 +200,7 @@ def error_line(result: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_sample_loads_the_run_it_is_given(run_dir):
     try:
         model, vocab_list = sample.load_run(str(run_dir))
@@ -206,6 +209,7 @@ def test_sample_loads_the_run_it_is_given(run_dir):
     assert model.max_length == TINY["max_length"] and vocab_list[-1] == "h"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flag, message",
     [("--max_tokens=-3", "-3 is not a positive integer"), ("--temperature=-1", "non-negative")],
@@ -214,12 +218,14 @@ def test_sample_flags_out_of_range_are_one_line(flag, message, tmp_path):
     assert message in error_line(sample_binary(f"--model_dir={tmp_path}", flag))
 
 
+@pytest.mark.slow
 def test_sample_on_a_truncated_checkpoint_is_one_line(run_dir):
     data = next((run_dir / "checkpoints").glob("ckpt-1.data-*"))
     data.write_bytes(data.read_bytes()[:100])
     assert "cannot be restored" in error_line(sample_binary(f"--model_dir={run_dir}"))
 
 
+@pytest.mark.slow
 def test_sample_does_not_run_the_imports_of_a_run_config(run_dir, tmp_path):
     modules = tmp_path / "modules"
     modules.mkdir()

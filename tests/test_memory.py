@@ -88,6 +88,7 @@ def mlp_measurements(tmp_path_factory):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.tf_compat
 @pytest.mark.parametrize("jit", [False, True])
 def test_peak_bytes_ranks_no_remat_above_full_remat(mlp_measurements, jit):

@@ -8,8 +8,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests import tiny
 from tests.subprocesses import REPO_DIR, child_env
+
+pytestmark = pytest.mark.slow  # subprocesses: the full tier only
 
 
 def start(model_dir) -> subprocess.Popen:

@@ -26,6 +26,8 @@ from launch import local_cluster
 from tests import tiny
 from tests.subprocesses import REPO_DIR, child_env
 
+pytestmark = pytest.mark.slow  # subprocesses: the full tier only
+
 TINY_FLAGS = [*tiny.GIN_FLAGS, "--gin.Trainer.remat_policy='dots_saveable'"]
 
 

@@ -1,4 +1,4 @@
-"""`python -m framework.plan` and `Trainer.remat_policy = "auto"`: the planner measures a tiny
+"""`python -m framework.planner` and `Trainer.remat_policy = "auto"`: the planner measures a tiny
 config's real train step per remat policy, picks against a budget, and the pick holds when training.
 
 One planner run (module fixture) with a budget nothing fits gives the measurements; the pick for
@@ -16,6 +16,8 @@ import pytest
 from framework import planner
 from framework.planner import Measurement
 from tests.subprocesses import REPO_DIR, child_env
+
+pytestmark = pytest.mark.slow  # subprocesses: the full tier only
 
 TINY = [
     "--gin_file=quickstart.gin",
@@ -48,7 +50,7 @@ def tight_plan(tmp_path_factory):
     """The planner on the tiny config with a 1 MiB budget, which nothing fits."""
     model_dir = tmp_path_factory.mktemp("plan")
     result = run_module(
-        "framework.plan",
+        "framework.planner",
         *TINY,
         POLICIES,
         "--steps=2",
@@ -167,15 +169,15 @@ def test_the_pick_is_the_highest_throughput_that_fits_ties_going_to_less_recompu
 @pytest.mark.parametrize(
     "module, args, message",
     [
-        ("framework.plan", ["--memory_budget=16 parsecs"], "--memory_budget: Not a byte size"),
-        ("framework.plan", [], "--memory_budget is required"),
+        ("framework.planner", ["--memory_budget=16 parsecs"], "--memory_budget: Not a byte size"),
+        ("framework.planner", [], "--memory_budget is required"),
         (
-            "framework.plan",
+            "framework.planner",
             ["--memory_budget=1GiB", "--policies=none,sometimes"],
             "Unknown remat policy 'sometimes'",
         ),
         (
-            "framework.plan",
+            "framework.planner",
             ["--memory_budget=1GiB", "--gin.Runtime.strategy='tpu_v9'"],
             "cannot build the run: unknown strategy",
         ),

@@ -134,6 +134,7 @@ def stack():
     return make_stack(n=1)
 
 
+@pytest.mark.slow
 @pytest.mark.tf_compat
 @pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
 def test_every_policy_matches_no_remat_with_dropout(stack, mode):
@@ -345,6 +346,7 @@ def _count_in_optimized_hlo(pattern: str, policies_to_try: tuple[str, ...]) -> d
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.tf_compat
 def test_xla_keeps_recomputation_and_saved_dots():
     counts = _count_in_optimized_hlo(
@@ -354,6 +356,7 @@ def test_xla_keeps_recomputation_and_saved_dots():
     assert counts["nothing_saveable"] > counts["everything_saveable"], counts
 
 
+@pytest.mark.slow
 def test_random_masks_saved_as_bits_and_never_regenerated():
     rng_calls = _count_in_optimized_hlo(
         r"to_apply=%rng", ("everything_saveable", "nothing_saveable", "random_masks_saveable")
@@ -400,6 +403,7 @@ def test_kept_masks_of_any_shape_give_no_remat_gradients(shape, kept_bytes):
         assert rel_err(got, want) < TOL
 
 
+@pytest.mark.slow
 def test_full_remat_holds_one_regions_random_bits_at_a_time():
     """Forward seeds are tied to each region's input: XLA cannot draw all regions' bits first."""
     blocks, x = make_stack(n=8, d=64, seq=128, batch=8)
@@ -497,6 +501,7 @@ def _fit_weights(build, remat_kwargs, jit_compile):
     return model, [v.numpy() for v in model.trainable_variables]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_fit_functional_matches_no_remat(jit_compile):
     _, want = _fit_weights(_functional, None, jit_compile)
@@ -505,6 +510,7 @@ def test_fit_functional_matches_no_remat(jit_compile):
     assert rel_err(got, want) < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", [_sequential, Subclassed], ids=["sequential", "subclassed"])
 def test_fit_sequential_and_subclassed_match_no_remat(build):
     _, want = _fit_weights(build, None, True)
@@ -514,6 +520,7 @@ def test_fit_sequential_and_subclassed_match_no_remat(build):
     assert rel_err(got, want) < TOL
 
 
+@pytest.mark.slow
 def test_set_grad_checkpointing_selection_undo_and_serialization(tmp_path):
     model = _functional(3)
     model(np.zeros((1, 8, 16), np.float32))

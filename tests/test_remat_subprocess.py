@@ -10,7 +10,11 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from tests.subprocesses import run_json
+
+pytestmark = pytest.mark.slow  # subprocesses: the full tier only
 
 
 def run_scenario(name: str) -> dict:

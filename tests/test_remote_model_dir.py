@@ -6,11 +6,15 @@ local emulator, so this uses its `ram://` filesystem, which takes the same `tf.i
 still written with `open`, `os` or `pathlib` would create a local directory named `ram:`.
 
 The planner's measurements run in processes of their own that never touch the model_dir; what
-`framework.plan` does there (`prepare_model_dir`, `write_plan`) is done here on a plan judged from
-given measurements.
+`framework.planner` does there (`prepare_model_dir`, `write_plan`) is done here on a plan judged
+from given measurements.
 """
 
+import pytest
+
 from tests.subprocesses import REPO_DIR, run_python
+
+pytestmark = pytest.mark.slow  # subprocesses: the full tier only
 
 SCRIPT = """
 import json, os
@@ -34,9 +38,11 @@ BINDINGS = [
 flags.FLAGS(["test", "--gin_file=lm_quickstart.gin", f"--model_dir={MODEL_DIR}", "--mode=train"])
 before = sorted(os.listdir("."))
 
-train.run(["test"], BINDINGS)
+flags.FLAGS.gin_bindings = BINDINGS
+assert train.main(["test"]) == 0
 gin.clear_config()
-train.run(["test"], [*BINDINGS, "Trainer.train_steps = 6"])  # resumes from step 4
+flags.FLAGS.gin_bindings = [*BINDINGS, "Trainer.train_steps = 6"]  # resumes from step 4
+assert train.main(["test"]) == 0
 gin.clear_config()
 cli.prepare_model_dir(MODEL_DIR)
 measured = planner.Measurement("none", 4, peak_bytes=2**20, live_before_bytes=0, step_seconds=1)

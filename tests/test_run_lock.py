@@ -43,6 +43,7 @@ def first_line(process: subprocess.Popen) -> str:
     return process.stdout.readline().strip()
 
 
+@pytest.mark.slow
 def test_a_second_run_is_refused_naming_the_holder_and_a_killed_holder_is_taken_over(tmp_path):
     mode = "flock"
     holder = hold(tmp_path, mode, seconds=60)

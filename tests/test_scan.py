@@ -59,6 +59,7 @@ def split_unrolled(model, grads):
     return own, blocks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
 @pytest.mark.parametrize("policy", [None, "nothing_saveable", "dots_saveable"])
 def test_scanned_vit_matches_unrolled_with_dropout(mode, policy):

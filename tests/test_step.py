@@ -54,9 +54,10 @@ def test_a_batch_that_does_not_split_into_microbatches_is_a_clear_error():
         step.gradients(model, batch, microbatches=4)
 
 
+@pytest.mark.slow
 def test_microbatched_training_equals_whole_batch_training():
     runs = {
-        m: Trainer(None, **{**tiny.TRAINER_ARGS, "train_steps": 4}, microbatches=m) for m in (1, 4)
+        m: Trainer(None, **{**tiny.TRAINER_ARGS, "train_steps": 2}, microbatches=m) for m in (1, 4)
     }
     for run in runs.values():
         run.train()
@@ -135,6 +136,7 @@ def test_default_optimizer_and_loss_take_their_gin_bindings(gin_config):
     assert trainer.train()["loss"] > 0
 
 
+@pytest.mark.slow
 def test_adafactor_trains():
     trainer = Trainer(None, **{**tiny.TRAINER_ARGS, "train_steps": 3}, optimizer_fn=optim.adafactor)
     before = [v.numpy() for v in trainer.model.trainable_variables]
@@ -145,6 +147,7 @@ def test_adafactor_trains():
     )
 
 
+@pytest.mark.slow
 def test_a_trainer_without_model_dir_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     trainer = Trainer(None, **{**tiny.TRAINER_ARGS, "train_steps": 5, "eval_every": 5})

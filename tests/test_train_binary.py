@@ -12,8 +12,8 @@ import gin
 import pytest
 import tensorflow as tf
 
-import framework.configurables  # noqa: F401  (registers the gin names)
 from framework import cli, train, trainer
+from framework.data import text
 from tests.subprocesses import REPO_DIR, child_env
 
 TINY_RUN = [
@@ -42,14 +42,23 @@ os.execv(sys.executable, [sys.executable, "-m", "framework.train", *sys.argv[1:]
 """
 
 
+# Runs the binary with SIGINT at its default, which Python turns into KeyboardInterrupt: a test
+# run started in the background of a shell would otherwise pass its ignored SIGINT on.
+SIGINT_DEFAULT = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+os.execv(sys.executable, [sys.executable, "-m", "framework.train", *sys.argv[1:]])
+"""
+
+
 def command(*args: str, launcher: tuple[str, ...] = ("-m", "framework.train")) -> list[str]:
     return [sys.executable, *launcher, *args]
 
 
-def run_binary(*args: str, launcher: tuple[str, ...] = ("-m", "framework.train")):
+def run_binary(*args: str, launcher: tuple[str, ...] = ("-m", "framework.train"), cwd=REPO_DIR):
     return subprocess.run(
         command(*args, launcher=launcher),
-        cwd=REPO_DIR,
+        cwd=cwd,
         env=child_env(),
         capture_output=True,
         text=True,
@@ -73,6 +82,7 @@ def checksums(directory) -> dict[str, str]:
     }
 
 
+@pytest.mark.slow
 def test_run_writes_config_command_checkpoints_and_resumes(tmp_path):
     first = run_binary(*TINY_RUN, f"--model_dir={tmp_path}")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -86,6 +96,7 @@ def test_run_writes_config_command_checkpoints_and_resumes(tmp_path):
     assert list(tmp_path.glob("config-*.gin")), "the first run's config.gin was not kept"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -129,11 +140,13 @@ def test_bad_input_is_one_line_and_leaves_the_model_dir_alone(args, message, tmp
     assert checksums(earlier) == before
 
 
+@pytest.mark.slow
 def test_gin_file_is_required_to_name_a_model_dir():
     result = run_binary("--gin_file=quickstart.gin")
     assert result.returncode == 2 and "--model_dir is required" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line(tmp_path):
     result = run_binary(*TINY_RUN, f"--model_dir={tmp_path}", launcher=("-c", FILE_SIZE_LIMITED))
     assert result.returncode == 2, result.stderr[-3000:]
@@ -141,6 +154,7 @@ def test_a_full_disk_is_one_line(tmp_path):
     assert re.search(r"cannot write \S+: File too large\. Free disk space", line), line
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path):
     args = [
         *TINY_RUN,
@@ -150,7 +164,11 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path):
         f"--model_dir={tmp_path}",
     ]
     proc = subprocess.Popen(
-        command(*args), cwd=REPO_DIR, env=child_env(), stderr=subprocess.PIPE, text=True
+        command(*args, launcher=("-c", SIGINT_DEFAULT)),
+        cwd=REPO_DIR,
+        env=child_env(),
+        stderr=subprocess.PIPE,
+        text=True,
     )
     watchdog = threading.Timer(300, proc.kill)
     watchdog.start()
@@ -196,7 +214,7 @@ def test_a_full_disk_and_device_memory_are_told_apart():
     assert message(too_large).startswith("cannot write to /runs/a: File too large.")
     oom = message(tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor"))
     assert oom.startswith("out of device memory: OOM when allocating tensor. Try a remat policy")
-    assert "global_batch_size" in oom and "framework.plan" in oom
+    assert "global_batch_size" in oom and "framework.planner" in oom
     assert message(OSError(errno.EACCES, "Permission denied")) is None
 
 
@@ -218,8 +236,41 @@ def test_a_run_config_is_read_with_the_projects_names_only(line, message):
 
 
 def test_gin_shorthand_becomes_bindings():
-    rest, bindings = cli.split_gin_shorthand(["prog", "--gin.A.b=3", "--mode=train"])
-    assert rest == ["prog", "--mode=train"] and bindings == ["A.b = 3"]
+    rewritten = cli.rewrite_gin_shorthand(["prog", "--gin.A.b=3", "--mode=train"])
+    assert rewritten == ["prog", "--gin_bindings=A.b = 3", "--mode=train"]
+
+
+def test_binding_names_are_checked_against_the_signature():
+    assert cli.binding_name(trainer.Trainer, "remat_policy") == "Trainer.remat_policy"
+    assert cli.binding_name(text.TextCorpus, "vocab_path", "data") == "data.TextCorpus.vocab_path"
+    with pytest.raises(TypeError, match="Trainer has no parameter 'remat'"):
+        cli.binding_name(trainer.Trainer, "remat")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "module, flags",
+    [
+        ("framework.train", ["--gin_file", "--gin_bindings", "--model_dir", "--memory_budget"]),
+        ("framework.planner", ["--gin_file", "--memory_budget", "--batch_sizes", "--policies"]),
+        ("framework.sample", ["--model_dir", "--prompt", "--max_tokens", "--verbosity"]),
+    ],
+)
+def test_help_lists_the_flags_of_each_binary_and_only_those(module, flags):
+    result = run_binary("--help", launcher=("-m", module))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert all(f"{flag}:" in result.stdout for flag in flags), result.stdout
+    assert ("--policies:" in result.stdout) == (module != "framework.sample")
+    assert "oneDNN" not in result.stdout + result.stderr  # no TensorFlow was loaded
+
+
+@pytest.mark.slow
+def test_print_config_prints_the_operative_config_and_trains_nothing(tmp_path):
+    result = run_binary(*TINY_RUN, "--print_config", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Trainer.train_steps = 4" in result.stdout
+    assert "Runtime.strategy = 'one_device'" in result.stdout  # defaults too: the operative config
+    assert not list(tmp_path.iterdir())
 
 
 def test_parse_gin_finds_files_on_the_search_path():

@@ -32,6 +32,7 @@ def run_copy(trained_run, tmp_path):
     return model_dir
 
 
+@pytest.mark.slow
 @pytest.mark.tf_compat
 def test_trains_checkpoints_and_writes_summaries(tmp_path):
     trainer = make_trainer(tmp_path, train_steps=20)
@@ -53,29 +54,25 @@ def test_trains_checkpoints_and_writes_summaries(tmp_path):
         assert os.listdir(tmp_path / split), f"no {split} summaries"
 
 
-def test_resumes_where_it_stopped(tmp_path):
-    first = make_trainer(tmp_path, train_steps=10)
-    first.train()
-    weights = [v.numpy() for v in first.model.trainable_variables]
-    second = make_trainer(tmp_path, train_steps=15)
-    assert second.step == 10
-    for restored, saved in zip(second.model.trainable_variables, weights):
-        np.testing.assert_array_equal(restored.numpy(), saved)
-    second.train()
-    assert second.step == 15
-
-
+@pytest.mark.slow
 @pytest.mark.tf_compat
-def test_resumed_run_equals_uninterrupted_run(tmp_path):
+def test_resumed_run_restores_and_equals_uninterrupted_run(tmp_path):
     straight = make_trainer(tmp_path / "straight", train_steps=10)
     straight.train()
-    make_trainer(tmp_path / "split", train_steps=10).train(max_steps=5)
+    first = make_trainer(tmp_path / "split", train_steps=10)
+    first.train(max_steps=5)
+    weights = [v.numpy() for v in first.model.trainable_variables]
     resumed = make_trainer(tmp_path / "split", train_steps=10)
+    assert resumed.step == 5
+    for restored, saved in zip(resumed.model.trainable_variables, weights):
+        np.testing.assert_array_equal(restored.numpy(), saved)
     resumed.train()
+    assert resumed.step == 10
     for a, b in zip(straight.model.trainable_variables, resumed.model.trainable_variables):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_hundred_steps_trace_the_step_at_most_twice(tmp_path):
     trainer = make_trainer(tmp_path, train_steps=100, steps_per_loop=10, checkpoint_every=100)
     trainer.train()
@@ -83,6 +80,7 @@ def test_hundred_steps_trace_the_step_at_most_twice(tmp_path):
     assert 1 <= trainer.traces["train_step"] <= 2
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_and_keeps_the_last_checkpoint(run_copy):
     trainer = make_trainer(run_copy, train_steps=20, learning_rate=1e30, clip_norm=None)
     with pytest.raises(TrainerError, match="diverged.*ckpt-10 is kept"):
@@ -99,6 +97,7 @@ def _non_finite_values(path: str) -> int:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("earlier_steps", [0, 2])
 def test_a_diverging_run_never_saves_a_non_finite_checkpoint(tmp_path, earlier_steps):
     if earlier_steps:
@@ -132,6 +131,7 @@ def _checkpoint_files(model_dir) -> dict[str, bytes]:
 DIVERGING = dict(steps_per_loop=1, checkpoint_every=100, warmup_steps=0, learning_rate=1e30)
 
 
+@pytest.mark.slow
 def test_a_diverged_run_rolls_back_with_a_lower_learning_rate_when_asked(tmp_path, caplog):
     make_trainer(tmp_path, train_steps=2, steps_per_loop=1).train()
     trainer = make_trainer(
@@ -153,6 +153,7 @@ def test_a_diverged_run_rolls_back_with_a_lower_learning_rate_when_asked(tmp_pat
     assert make_trainer(tmp_path, train_steps=5).learning_rate_scale.numpy() == scale
 
 
+@pytest.mark.slow
 def test_rollbacks_are_bounded_then_the_run_stops(tmp_path, caplog):
     make_trainer(tmp_path, train_steps=2, steps_per_loop=1).train()
     trainer = make_trainer(tmp_path, train_steps=5, divergence_rollbacks=2, **DIVERGING)
@@ -185,6 +186,7 @@ def test_corrupted_checkpoints_only_are_an_error_and_are_not_deleted(run_copy):
     assert _checkpoint_files(run_copy) == before
 
 
+@pytest.mark.slow
 def test_a_corrupted_newest_checkpoint_falls_back_to_the_one_before(run_copy, caplog):
     flip_a_byte(run_copy / "checkpoints" / "ckpt-10.data-00000-of-00001")
     older = {k: v for k, v in _checkpoint_files(run_copy).items() if k.startswith("ckpt-5.")}
@@ -196,6 +198,7 @@ def test_a_corrupted_newest_checkpoint_falls_back_to_the_one_before(run_copy, ca
     assert resumed.step == 10
 
 
+@pytest.mark.slow
 def test_a_lost_index_resumes_from_the_checkpoint_files(run_copy):
     index = run_copy / "checkpoints" / "checkpoint"
     before = _checkpoint_files(run_copy)
@@ -235,6 +238,7 @@ def test_a_second_trainer_on_the_model_dir_stops_the_first_before_it_saves(tmp_p
     assert not list((tmp_path / "checkpoints").glob("ckpt-*"))
 
 
+@pytest.mark.slow
 def test_finite_training_data_is_a_clear_error(tmp_path):
     def short_dataset(split, input_context=None, **kwargs):
         return tiny.dataset_fn(split, input_context, **kwargs).take(3)
@@ -268,6 +272,7 @@ def test_bad_settings_are_clear_errors(tmp_path, overrides, message):
         make_trainer(tmp_path, **overrides)
 
 
+@pytest.mark.slow
 def test_bfloat16_precision_trains(tmp_path):
     trainer = make_trainer(tmp_path, train_steps=5, runtime=Runtime(precision="bfloat16"))
     try:
@@ -277,18 +282,22 @@ def test_bfloat16_precision_trains(tmp_path):
         make_trainer(tmp_path / "reset", train_steps=1)  # restores the float32 policy
 
 
-@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable"])
-def test_remat_policy_trains_exactly_like_no_remat_with_dropout(tmp_path, policy):
+@pytest.mark.slow
+def test_remat_policies_train_exactly_like_no_remat_with_dropout(tmp_path):
     model_fn = functools.partial(tiny.model_fn, dropout=0.2)
     plain = make_trainer(tmp_path / "plain", train_steps=5, model_fn=model_fn)
     plain.train()
-    remat = make_trainer(tmp_path / policy, train_steps=5, model_fn=model_fn, remat_policy=policy)
-    assert len(framework_remat.checkpointed_layers(remat.model)) == 2
-    remat.train()
-    # Equal up to float rounding, which Adam amplifies for gradients near zero (up to 2e-6 here);
-    # a different dropout mask moves most weights by about the learning rate (3e-3) per step.
-    for a, b in zip(plain.model.trainable_variables, remat.model.trainable_variables):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5)
+    for policy in ("nothing_saveable", "dots_saveable"):
+        remat = make_trainer(
+            tmp_path / policy, train_steps=5, model_fn=model_fn, remat_policy=policy
+        )
+        assert len(framework_remat.checkpointed_layers(remat.model)) == 2
+        remat.train()
+        # Equal up to float rounding, which Adam amplifies for gradients near zero (up to 2e-6
+        # here); a different dropout mask moves most weights by about the learning rate (3e-3)
+        # per step.
+        for a, b in zip(plain.model.trainable_variables, remat.model.trainable_variables):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5)
 
 
 def test_unknown_remat_policy_lists_the_choices(tmp_path):
@@ -296,6 +305,7 @@ def test_unknown_remat_policy_lists_the_choices(tmp_path):
         make_trainer(tmp_path, remat_policy="most")
 
 
+@pytest.mark.slow
 def test_weighted_targets_count_only_where_weight_is_one(tmp_path):
     def half_weighted(split, input_context=None, **kwargs):
         dataset = tiny.dataset_fn(split, input_context, **kwargs)

@@ -28,6 +28,7 @@ def test_bad_flag_is_a_clear_error():
         xla.set_xla_flags(["xla_dump_to=/tmp"])
 
 
+@pytest.mark.slow
 def test_flags_reach_xla_when_set_before_the_first_compile(tmp_path):
     result = run_python(f"""
         import glob, json

@@ -3,16 +3,17 @@ pick the fastest setting whose peak memory fits a budget.
 
 It sits beside the binaries, not in `framework.memory`, because it builds the gin-configured
 `Trainer` (library code imports neither the trainer nor gin). Each combination is measured in a
-fresh process (`measurement.py`, launched by `launch.py`): allocator statistics and XLA's state
+fresh process (`measurement.py`, launched by `sweep.py`): allocator statistics and XLA's state
 belong to a process, and one setting's leftovers must not count against the next.
 """
 
 from framework.planner.choose import Plan, choose
-from framework.planner.launch import RunConfig, make_plan, measure_combination
 from framework.planner.measurement import Measurement
 from framework.planner.report import table, verdict, write_plan
+from framework.planner.sweep import ConfigError, RunConfig, make_plan, measure_combination
 
 __all__ = [
+    "ConfigError",
     "Measurement",
     "Plan",
     "RunConfig",

@@ -3,7 +3,7 @@ SPEC_JSON` builds the configured Trainer with the given remat policy and batch s
 model directory (no lock, checkpoints or summaries), runs its compiled step and prints one JSON
 line with the results.
 
-It runs in a fresh process per combination (see `launch.py`), with `TF_CPU_ALLOCATOR_USE_BFC=true`
+It runs in a fresh process per combination (see `sweep.py`), with `TF_CPU_ALLOCATOR_USE_BFC=true`
 set before TensorFlow starts so the CPU allocator keeps the statistics the peak is read from.
 """
 
@@ -101,7 +101,6 @@ def measure(spec: dict) -> Measurement:
     policy, batch size, timed steps). Failures come back as a Measurement with `error` set."""
     import tensorflow as tf
 
-    import framework.configurables  # noqa: F401  (registers the gin names)
     from framework import cli, memory
     from framework.trainer import Trainer
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import io
 import json
 
-from framework import files
-from framework.memory import format_bytes
 from framework.planner.choose import Plan
 from framework.planner.measurement import Measurement
 
@@ -64,6 +62,8 @@ def table(plan: Plan) -> str:
 
 def verdict(plan: Plan) -> str:
     """One line: the pick and its headroom, or "nothing fits" with the smallest option."""
+    from framework.memory import format_bytes  # (imports TensorFlow: not for `--help`)
+
     budget = (
         f"{format_bytes(plan.budget_bytes)} with a {plan.safety_margin:.0%} margin "
         f"(usable {format_bytes(plan.usable_bytes)})"
@@ -108,6 +108,8 @@ def to_json(plan: Plan) -> dict:
 def plot(plan: Plan, path: str) -> None:
     """Writes the peak-memory-against-step-time picture (matplotlib, no display needed)."""
     import matplotlib
+
+    from framework import files
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
@@ -165,6 +167,8 @@ def plot(plan: Plan, path: str) -> None:
 
 def write_plan(plan: Plan, model_dir: str) -> tuple[str, str]:
     """Writes `plan.json` and `plan.png` into model_dir (a gs:// one too); returns their paths."""
+    from framework import files
+
     json_path, png_path = files.join(model_dir, "plan.json"), files.join(model_dir, "plan.png")
     files.write_bytes(json_path, json.dumps(to_json(plan), indent=2) + "\n")
     plot(plan, png_path)

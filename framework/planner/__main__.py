@@ -1,5 +1,5 @@
 """Answers "will this config fit, and what is the fastest setting that does?" before a run:
-`python -m framework.plan --gin_file=... --memory_budget=16GiB [--policies=...]
+`python -m framework.planner --gin_file=... --memory_budget=16GiB [--policies=...]
 [--batch_sizes=...]`.
 
 It takes the trainer's gin flags, measures the real train step of that config for each remat policy
@@ -10,18 +10,19 @@ fits, 2 for bad input (one `error:` line).
 
 from __future__ import annotations
 
-import logging
-import sys
 from collections.abc import Sequence
 
-from absl import app, flags
+from absl import flags
 
 from framework import cli
+from framework.errors import UsageError
 
+cli.define_config_flags()
+cli.define_budget_flags("Required: the plan picks the fastest setting that fits it.")
 flags.DEFINE_list(
     "batch_sizes",
     None,
-    "Global batch sizes to try(default: the config's Trainer.global_batch_size).",
+    "Global batch sizes to try (default: the config's Trainer.global_batch_size).",
 )
 flags.DEFINE_integer(
     "steps",
@@ -37,6 +38,8 @@ flags.DEFINE_float(
     lower_bound=0.0,
     upper_bound=1.0,
 )
+flags.adopt_module_key_flags(cli)
+flags.declare_key_flag("verbosity")
 FLAGS = flags.FLAGS
 
 
@@ -46,23 +49,22 @@ def _batch_sizes() -> list[int | None]:
     sizes = []
     for text in FLAGS.batch_sizes:
         if not text.strip().isdigit() or int(text) < 1:
-            raise cli.UsageError(f"--batch_sizes: {text!r} is not a positive integer")
+            raise UsageError(f"--batch_sizes: {text!r} is not a positive integer")
         sizes.append(int(text))
     return sizes
 
 
-def run(argv: Sequence[str], gin_shorthand: Sequence[str]) -> int:
+def main(argv: Sequence[str]) -> int:
     """Plans for the parsed flags; returns the exit status (0 a pick, 1 nothing fits)."""
-    files, bindings = cli.gin_inputs(argv, gin_shorthand)
+    files, bindings = cli.gin_inputs(argv)
     model_dir = cli.model_dir_flag()
     budget = cli.memory_budget_flag()
     if budget is None:
-        raise cli.UsageError("--memory_budget is required, e.g. --memory_budget=16GiB")
+        raise UsageError("--memory_budget is required, e.g. --memory_budget=16GiB")
     policies = cli.policies_flag()
     batch_sizes = _batch_sizes()
 
-    import framework.configurables  # noqa: F401  (registers the gin names)
-    from framework import planner, trainer  # noqa: F401  (trainer registers Trainer with gin)
+    from framework import planner, trainer  # noqa: F401  (trainer registers the gin names)
 
     cli.parse_gin(files, bindings, FLAGS.gin_search_paths)
     cli.prepare_model_dir(model_dir)
@@ -77,8 +79,8 @@ def run(argv: Sequence[str], gin_shorthand: Sequence[str]) -> int:
             steps=FLAGS.steps,
             tie_tolerance=FLAGS.tie_tolerance,
         )
-    except planner.launch.ConfigError as error:
-        raise cli.UsageError(str(error)) from None
+    except planner.ConfigError as error:
+        raise UsageError(str(error)) from None
     json_path, png_path = planner.write_plan(plan, model_dir)
     print(planner.table(plan))
     print(planner.verdict(plan))
@@ -86,23 +88,10 @@ def run(argv: Sequence[str], gin_shorthand: Sequence[str]) -> int:
     return 0 if plan.pick is not None else 1
 
 
-def main() -> None:
-    """Entry point: `python -m framework.plan`."""
-    try:
-        argv, shorthand = cli.split_gin_shorthand(sys.argv)
-    except cli.UsageError as error:
-        cli.exit_with_error(error)
-
-    def app_main(args: Sequence[str]) -> None:
-        logging.getLogger().setLevel(logging.INFO)
-        try:
-            status = run(args, shorthand)
-        except cli.UsageError as error:
-            cli.exit_with_error(error)
-        sys.exit(status)
-
-    app.run(app_main, argv=argv, flags_parser=cli.parse_flags)
+def console_main() -> None:
+    """Entry point: `python -m framework.planner`, `framework-plan`."""
+    cli.run(main)
 
 
 if __name__ == "__main__":
-    main()
+    console_main()
