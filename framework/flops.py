@@ -15,6 +15,7 @@ and loop bounds are still constants the count can read.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -123,10 +124,11 @@ def model_flops_per_step(model: tf.keras.Model, inputs) -> tuple[int, bool]:
     return FORWARD_AND_BACKWARD * flops, exact
 
 
-def measure_cpu_flops(size: int = 1024, seconds: float = 0.5) -> float:
+@functools.cache
+def measure_cpu_flops(size: int = 1024, seconds: float = 0.25) -> float:
     """FLOP/s of float32 matrix products on this machine's CPU: the peak MFU is measured
     against on CPUs, which have no datasheet figure for TensorFlow's kernels. The best of
-    repeated products over about `seconds`."""
+    repeated products over about `seconds`, measured once per process."""
     with tf.device("/cpu:0"):
         a = tf.random.stateless_normal([size, size], seed=[0, 1])
 

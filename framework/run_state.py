@@ -56,7 +56,8 @@ class RunState:
                 self._lock.acquire()
             except run_lock.LockError as error:
                 raise TrainerError(str(error)) from None
-        self.restore(at_start=True)  # first: it repairs the index the manager reads
+        # First: it repairs the index the manager reads. None when the run starts afresh.
+        self.restored = self.restore(at_start=True)
         self.manager = tf.train.CheckpointManager(
             tf.train.Checkpoint(
                 model=model, optimizer=optimizer, learning_rate_scale=learning_rate_scale

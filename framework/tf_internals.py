@@ -24,10 +24,12 @@ import tensorflow as tf
 
 # XLA's protocol buffers, re-exported: the compiler IR TensorFlow returns for memory measurement is
 # an `hlo_pb2.HloProto`, but TensorFlow does not export these modules, so their path may move. The
-# same for the profiler's `xplane_pb2.XSpace`, the format of a TensorBoard profile.
+# same for the profiler's `xplane_pb2.XSpace`, the format of a TensorBoard profile, and for the
+# object graph a checkpoint stores (`trackable_object_graph_pb2`), read to warm start a model.
 from tensorflow.compiler.xla import xla_data_pb2 as xla_data_pb2
 from tensorflow.compiler.xla.service import hlo_pb2 as hlo_pb2
 from tensorflow.core.framework import attr_value_pb2
+from tensorflow.core.protobuf import trackable_object_graph_pb2 as trackable_object_graph_pb2
 from tensorflow.python.eager import context, record
 from tensorflow.python.framework import op_callbacks
 from tensorflow.python.ops import control_flow_v2_func_graphs

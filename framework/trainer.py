@@ -36,6 +36,7 @@ from framework import (
     remat,
     run_lock,
     step,
+    warm_start,
 )
 from framework.data.sharding import DatasetFn
 from framework.errors import TrainerError
@@ -67,6 +68,9 @@ class Trainer:
       divergence_rollbacks, rollback_learning_rate_factor: see `actions.StopDivergence`.
       remat_policy: a name from `remat.policy_names()` or a policy, applied to the model's
         repeated blocks.
+      init_checkpoint: a checkpoint (or a run's model_dir) whose model weights initialise a
+        run that starts afresh (`warm_start`): fine-tuning. Ignored once the run has
+        checkpoints of its own, which it resumes from.
       runtime: strategy, devices, compiler flags, precision; `Runtime()` (gin-bound) if None.
       actions: more callables `action(trainer, metrics)` run after the built-in ones.
       profile_steps: (first, last): a TensorBoard profile of the loops between these steps,
@@ -97,6 +101,7 @@ class Trainer:
         divergence_rollbacks: int = 0,
         rollback_learning_rate_factor: float = 0.5,
         remat_policy: str | remat.policies.Policy | None = None,
+        init_checkpoint: str | None = None,
         runtime: Runtime | None = None,
         actions: Sequence[actions_lib.Action] = (),
         profile_steps: Sequence[int] | None = None,
@@ -198,6 +203,11 @@ class Trainer:
                 keep=keep_checkpoints,
                 lease_seconds=lock_lease_seconds,
             )
+        if init_checkpoint and (self.run_state is None or self.run_state.restored is None):
+            with self.strategy.scope():
+                warm_start.warm_start(self.model, init_checkpoint)
+        elif init_checkpoint:
+            logging.info("init_checkpoint not used: resuming from the run's own checkpoint")
         self.actions = [
             *actions_lib.built_in(
                 model_dir,

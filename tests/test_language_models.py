@@ -117,8 +117,9 @@ def test_remat_gradients_match_for_every_policy(kind):
         return [g.numpy() for g in tf.function(gradients, jit_compile=True)(inputs)]
 
     want = run()
-    names = remat.policies.save_only_these_names("qkv_proj", "attn_out")
-    policies = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", names)
+    # Every policy is checked on a generic block in test_remat.py; here, full remat and one
+    # selective policy by the names these models tag.
+    policies = ("nothing_saveable", remat.policies.save_only_these_names("qkv_proj", "attn_out"))
     for policy in policies:
         blocks = remat.set_grad_checkpointing(model, policy=policy)
         assert {b.name for b in blocks} >= {"block_0", "block_1"}

@@ -101,10 +101,7 @@ def test_run_writes_config_command_checkpoints_and_resumes(tmp_path):
     "args, message",
     [
         (["--gin_file=missing.gin"], "gin file 'missing.gin' not found"),
-        (["--gin_file={tmp}/empty.gin"], "does not set Trainer.model_fn or Trainer.dataset_fn"),
-        (["--gin.Trainer.no_such_setting=1"], "bad gin configuration"),
         (["--gin.Trainer.learning_rate='fast'"], "Trainer.learning_rate must be a positive number"),
-        (["--gin.Runtime.strategy='tpu_v9'"], "unknown strategy"),
         (["--gin.Trainer.train_steps"], "should look like --gin.NAME=VALUE"),
         (["--mode=sing"], "flag --mode=sing: value should be one of"),
         (["--nope=1"], "Unknown command line flag 'nope'"),
@@ -138,6 +135,30 @@ def test_bad_input_is_one_line_and_leaves_the_model_dir_alone(args, message, tmp
     assert result.returncode == 2, result.stderr[-3000:]
     assert message in the_error_line(result.stderr)
     assert checksums(earlier) == before
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gin_file={tmp}/empty.gin"], "does not set Trainer.model_fn or Trainer.dataset_fn"),
+        (["--gin.Trainer.no_such_setting=1"], "bad gin configuration"),
+        (["--gin.Runtime.strategy='tpu_v9'"], "unknown strategy"),
+    ],
+)
+def test_a_bad_config_stops_before_anything_is_written(args, message, tmp_path):
+    """In this process (the one-line report of a UsageError is the subprocess tests' part)."""
+    (tmp_path / "empty.gin").write_text("")
+    argv = ["train", *TINY_RUN[1:], f"--model_dir={tmp_path}/run", *args]
+    gin.clear_config()
+    try:
+        train.FLAGS(cli.rewrite_gin_shorthand([arg.format(tmp=tmp_path) for arg in argv]))
+        with pytest.raises(cli.UsageError, match=re.escape(message)):
+            train.main(["train"])
+    finally:
+        train.FLAGS.unparse_flags()
+        gin.clear_config()
+    run = tmp_path / "run"  # made by the writability check, and left empty
+    assert not run.exists() or not list(run.iterdir())
 
 
 @pytest.mark.slow
