@@ -73,6 +73,8 @@ class Trainer:
         checkpoints of its own, which it resumes from.
       runtime: strategy, devices, compiler flags, precision; `Runtime()` (gin-bound) if None.
       actions: more callables `action(trainer, metrics)` run after the built-in ones.
+      count_flops: count the model FLOPs of a step at the start of training, for TFLOP/s and
+        MFU (lowers the forward pass to XLA once; off saves that time).
       profile_steps: (first, last): a TensorBoard profile of the loops between these steps,
         in `model_dir/train` (see `actions.Profile`).
       seed: seeds Python, NumPy, TensorFlow and Keras.
@@ -104,6 +106,7 @@ class Trainer:
         init_checkpoint: str | None = None,
         runtime: Runtime | None = None,
         actions: Sequence[actions_lib.Action] = (),
+        count_flops: bool = True,
         profile_steps: Sequence[int] | None = None,
         seed: int = 0,
     ):
@@ -132,6 +135,7 @@ class Trainer:
             "Trainer.rollback_learning_rate_factor", rollback_learning_rate_factor, maximum=1.0
         )
         checks.number("Trainer.lock_lease_seconds", lock_lease_seconds)
+        checks.boolean("Trainer.count_flops", count_flops)
         self.runtime = runtime or Runtime()
         self.strategy = self.runtime.start()
         self.is_chief = distribute.is_chief(self.strategy)
@@ -148,6 +152,7 @@ class Trainer:
         self.steps_per_loop = steps_per_loop
         self.loss_fn = loss_fn
         self.microbatches = microbatches
+        self.count_flops = count_flops
         self.traces: collections.Counter[str] = collections.Counter()
         self._flops: tuple[float, float | None] | None = None  # per step, peak of all devices
         # Peak memory is logged per loop for the first replica's device, if its allocator counts.
@@ -334,7 +339,8 @@ class Trainer:
             stop,
             self.steps_per_loop,
         )
-        self._count_flops()
+        if self.count_flops:
+            self._count_flops()
         iterator = self.train_iterator()
         metrics: dict[str, float] = {}
         while self.step < stop:

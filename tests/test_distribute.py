@@ -22,7 +22,7 @@ EQUALITY_SCRIPT = """
     for strategy in ("one_device", "mirrored"):
         runtime = Runtime(strategy, cpu_devices={devices})
         trainer = Trainer(tempfile.mkdtemp(), runtime=runtime,
-                          train_steps=10, remat_policy="nothing_saveable", **tiny.TRAINER_ARGS)
+                          train_steps=4, remat_policy="nothing_saveable", **tiny.TRAINER_ARGS)
         trainer.train()
         losses[strategy] = float(trainer.evaluate()["loss"])
         losses[strategy + "_replicas"] = trainer.strategy.num_replicas_in_sync

@@ -62,7 +62,7 @@ def test_a_loop_of_unknown_length_is_reported_as_a_lower_bound():
 def test_training_logs_mfu_and_writes_a_profile(tmp_path, caplog):
     trainer = Trainer(
         str(tmp_path),
-        **{**tiny.TRAINER_ARGS, "train_steps": 15, "profile_steps": (5, 10)},
+        **{**tiny.TRAINER_ARGS, "train_steps": 15, "profile_steps": (5, 10), "count_flops": True},
     )
     with caplog.at_level("INFO"):
         metrics = trainer.train()

@@ -12,7 +12,10 @@ from framework.models import VisionTransformer
 
 MODEL = dict(image_size=8, patch_size=4, num_classes=4, dim=16, depth=2, num_heads=2, mlp_dim=32)
 DATA = dict(image_size=8, num_classes=4, eval_examples=64)
-TRAINING = dict(global_batch_size=16, steps_per_loop=5, learning_rate=3e-3, warmup_steps=2)
+# No FLOP counting (an XLA lowering and a CPU benchmark per run): test_flops.py tests it.
+TRAINING = dict(
+    global_batch_size=16, steps_per_loop=5, learning_rate=3e-3, warmup_steps=2, count_flops=False
+)
 
 model_fn = functools.partial(VisionTransformer, **MODEL)
 dataset_fn = functools.partial(synthetic_images.shapes, **DATA)
