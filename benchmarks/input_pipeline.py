@@ -54,8 +54,8 @@ def main(argv: Sequence[str]) -> None:
     ]
     cli.parse_gin(FLAGS.gin_file or [DEFAULT_GIN_FILE], bindings, FLAGS.gin_search_paths)
     run = trainer.Trainer(model_dir)
-    batch = run.global_batch_size
-    dataset = run.dataset_fn("train", global_batch_size=batch)
+    batch = run.settings.global_batch_size
+    dataset = run.settings.dataset_fn("train", global_batch_size=batch)
     length = dataset.element_spec[0]["tokens"].shape[1]
     pipeline = pipeline_tokens_per_second(dataset, FLAGS.steps)
     run.train(max_steps=FLAGS.steps)  # warm-up: tracing and XLA compilation

@@ -25,6 +25,7 @@ import tensorflow as tf
 from framework.errors import TrainerError
 
 if TYPE_CHECKING:
+    from framework.settings import TrainerSettings
     from framework.trainer import Trainer
 
 Action = Callable[["Trainer", dict[str, float]], None]
@@ -95,7 +96,7 @@ class StopDivergence:
 
 def write_summaries(trainer: Trainer, metrics: dict[str, float]) -> None:
     """The loop's metrics as TensorBoard scalars under `model_dir/train`."""
-    trainer.write_summaries("train", metrics)
+    trainer.summaries.scalars("train", trainer.step, metrics)
 
 
 def _format_duration(seconds: float) -> str:
@@ -125,14 +126,14 @@ class LogProgress:
             "step %d/%d: loss %.4f, accuracy %.3f, %.2f steps/s, %.0f examples/s, %s, "
             "peak memory %s, ETA %s",
             step,
-            trainer.train_steps,
+            trainer.settings.train_steps,
             metrics["loss"],
             metrics["accuracy"],
             metrics["steps_per_sec"],
             metrics["examples_per_sec"],
             speed or "TFLOP/s n/a",
             "n/a" if peak is None else f"{peak:.0f} MiB",
-            _format_duration((trainer.train_steps - step) / max(rate, 1e-9)),
+            _format_duration((trainer.settings.train_steps - step) / max(rate, 1e-9)),
         )
 
 
@@ -149,7 +150,8 @@ class SaveCheckpoints:
 
 def save_if_preempted(trainer: Trainer, metrics: dict[str, float]) -> None:
     """After SIGTERM, saves at a step all workers agree on and stops (`PreemptedError`)."""
-    trainer.save_if_preempted()
+    if trainer.run_state is not None:
+        trainer.run_state.save_if_preempted()
 
 
 class Evaluate:
@@ -159,7 +161,7 @@ class Evaluate:
         self.interval = interval
 
     def __call__(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        if _every(trainer.step, self.interval) and trainer.step < trainer.train_steps:
+        if _every(trainer.step, self.interval) and trainer.step < trainer.settings.train_steps:
             trainer.evaluate()
 
 
@@ -183,7 +185,7 @@ class Profile:
         self.running = False
 
     def __call__(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        end = min(self.last, trainer.train_steps)
+        end = min(self.last, trainer.settings.train_steps)
         if self.running and trainer.step >= end:
             tf.profiler.experimental.stop()
             self.running = False
@@ -193,26 +195,19 @@ class Profile:
             self.running = True
 
 
-def built_in(
-    model_dir: str | None,
-    *,
-    checkpoint_every: int,
-    eval_every: int | None,
-    profile_steps: tuple[int, int] | None,
-    divergence_rollbacks: int,
-    rollback_learning_rate_factor: float,
-) -> list[Action]:
+def built_in(model_dir: str | None, settings: TrainerSettings) -> list[Action]:
     """The trainer's own actions, in the order they run (see the module docstring). Without a
     model_dir nothing is saved or profiled."""
+    s = settings
     actions: list[Action] = [
-        StopDivergence(divergence_rollbacks, rollback_learning_rate_factor),
+        StopDivergence(s.divergence_rollbacks, s.rollback_learning_rate_factor),
         write_summaries,
         LogProgress(),
     ]
     if model_dir is not None:
-        actions += [SaveCheckpoints(checkpoint_every), save_if_preempted]
-    if eval_every:
-        actions.append(Evaluate(eval_every))
-    if profile_steps and model_dir is not None:
-        actions.append(Profile(*profile_steps, os.path.join(model_dir, "train")))
+        actions += [SaveCheckpoints(s.checkpoint_every or s.steps_per_loop), save_if_preempted]
+    if s.eval_every:
+        actions.append(Evaluate(s.eval_every))
+    if s.profile_steps and model_dir is not None:
+        actions.append(Profile(*s.profile_steps, os.path.join(model_dir, "train")))
     return actions

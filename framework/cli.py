@@ -144,6 +144,20 @@ def define_budget_flags(memory_budget_help: str) -> None:
         "Remat policies to try, from the least recomputation to the most: equally fast ones are "
         "decided in this order.",
     )
+    flags.DEFINE_enum(
+        "measure",
+        "auto",
+        ["auto", "run", "compile"],
+        "How each setting is measured: compile (XLA's plan of the step, nothing runs; time "
+        "estimated from its FLOPs), run (the step runs: allocator peak and median time), or auto "
+        "(run when XLA's plan fits this host's memory, else compile).",
+    )
+    flags.DEFINE_boolean(
+        "search_budget",
+        True,
+        "Also search the memory-budget policy's fraction that fits (budget:F), by bisection "
+        "on XLA's plan.",
+    )
 
 
 def first_line(error: BaseException | str) -> str:
@@ -236,11 +250,13 @@ def run(main: Callable[[list[str]], int | None]) -> NoReturn:
 
 def binding_name(configurable: Callable, parameter: str, module: str | None = None) -> str:
     """The gin name of `parameter` of `configurable`, e.g. "Trainer.remat_policy": checked
-    against its signature, so a renamed argument fails here, not as a binding gin ignores."""
+    against its signature, so a renamed argument fails here, not as a binding gin ignores.
+    A class registered under another name says so in its `gin_name`."""
     target = configurable.__init__ if inspect.isclass(configurable) else configurable
+    name = getattr(configurable, "gin_name", configurable.__name__)
     if parameter not in inspect.signature(target).parameters:
-        raise TypeError(f"{configurable.__name__} has no parameter {parameter!r}")
-    return ".".join(filter(None, (module, configurable.__name__, parameter)))
+        raise TypeError(f"{name} has no parameter {parameter!r}")
+    return ".".join(filter(None, (module, name, parameter)))
 
 
 def bound_value(name: str) -> object:

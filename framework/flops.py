@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -122,6 +123,23 @@ def model_flops_per_step(model: tf.keras.Model, inputs) -> tuple[int, bool]:
     forward = tf.function(lambda x: model(x, training=False), jit_compile=True)
     flops, exact = forward_flops(forward, inputs)
     return FORWARD_AND_BACKWARD * flops, exact
+
+
+def count_step(
+    model: tf.keras.Model, inputs, replicas: int, peak_per_device: float | None, peak_source: str
+) -> tuple[float, float | None]:
+    """Model FLOPs of a step over `replicas` replicas (each on `inputs`) and the peak FLOP/s of
+    their devices (None if unknown), logged with where the peak comes from."""
+    per_replica, exact = model_flops_per_step(model, inputs)
+    logging.info(
+        "model FLOPs per step: %.3g%s (3 x the forward pass's matmuls, counted in XLA's "
+        "program); peak %s per device (%s)",
+        per_replica * replicas,
+        "" if exact else " or more (a loop's trip count is unknown)",
+        f"{peak_per_device / 1e12:.3g} TFLOP/s" if peak_per_device else "unknown",
+        peak_source,
+    )
+    return per_replica * replicas, peak_per_device and peak_per_device * replicas
 
 
 @functools.cache

@@ -49,6 +49,8 @@ class RunState:
         self.learning_rate_scale = learning_rate_scale
         self.is_finite = is_finite
         self.is_chief = is_chief = distribute.is_chief(strategy)
+        resolver = strategy.cluster_resolver
+        self._workers = sum(map(len, resolver.cluster_spec().as_dict().values())) if resolver else 1
         self.directory = os.path.join(model_dir, "checkpoints")
         self._lock = run_lock.RunLock(model_dir, lease_seconds=lease_seconds)
         if is_chief:
@@ -125,6 +127,19 @@ class RunState:
         if latest is not None and checkpoints.step_of(latest) == self.step:
             return latest
         return self.manager.save(checkpoint_number=self.step)
+
+    def save_interrupted(self) -> str | None:
+        """Saves the current step after Ctrl-C, so that the same command resumes there rather
+        than at the last periodic checkpoint; returns the checkpoint holding this step, or None.
+
+        The step counter and the weights change together, only inside a compiled loop, so a
+        built trainer is always at a loop boundary. Not saved: step 0 (nothing trained), a
+        non-finite state (never saved), and a run of several workers, whose saving is
+        collective (one worker alone would wait for the others forever; they save on SIGTERM).
+        """
+        if self._workers > 1 or self.step == 0 or not self.is_finite():
+            return None
+        return self.save()
 
     def save_if_preempted(self) -> None:
         """After SIGTERM: saves where all workers agree, then raises `PreemptedError`."""

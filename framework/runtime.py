@@ -20,7 +20,7 @@ from framework import checks, distribute, flops, xla
 PRECISIONS = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
 # Datasheet peak of dense matrix products, TFLOP/s per GPU, in bfloat16 (what MFU is quoted
 # against), matched in the name TensorFlow reports for the GPU. TPUs report no type to TensorFlow:
-# set `Runtime.peak_tflops` (v4: 275, v5e: 197, v5p: 459, v6e: 918 per chip).
+# `launch/tpu_pod.py` binds `Runtime.peak_tflops` from the accelerator type.
 GPU_PEAK_TFLOPS = {"H100": 989.0, "A100": 312.0, "L4": 121.0, "A10G": 70.0, "V100": 125.0}
 
 

@@ -46,7 +46,7 @@ def load_run(model_dir: str):
     import gin
     import tensorflow as tf
 
-    from framework import trainer  # registers the names config.gin uses (see configurables)
+    from framework import settings  # registers the names config.gin uses (see configurables)
     from framework.data import text
     from framework.data import vocab as vocab_lib
 
@@ -65,7 +65,7 @@ def load_run(model_dir: str):
     if not tf.io.gfile.exists(vocab_path):
         raise SampleError(f"the run's vocabulary {vocab_path} is missing")
     vocab = vocab_lib.load_vocab(vocab_path)
-    model_fn = gin.query_parameter(cli.binding_name(trainer.Trainer, "model_fn"))
+    model_fn = gin.query_parameter(cli.binding_name(settings.TrainerSettings, "model_fn"))
     model = model_fn.scoped_configurable_fn()
     from framework import checkpoints
 

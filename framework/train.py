@@ -68,10 +68,10 @@ def write_run_record(model_dir: str, config: str, command: str) -> None:
     logging.debug("operative gin config:\n%s", config)
 
 
-def check_required_bindings(trainer_class: type) -> None:
+def check_required_bindings(settings_class: type) -> None:
     """A config with no model or no data set (an empty gin file) is bad input: gin would stop
     with a RuntimeError and its traceback when the Trainer is called."""
-    required = [cli.binding_name(trainer_class, name) for name in ("model_fn", "dataset_fn")]
+    required = [cli.binding_name(settings_class, name) for name in ("model_fn", "dataset_fn")]
     missing = [name for name in required if cli.bound_value(name) is None]
     if missing:
         raise UsageError(
@@ -112,14 +112,14 @@ def out_of_resources(error: Exception, model_dir: str) -> str | None:
 
 
 def resolve_auto_policy(
-    trainer_class: type, files: Sequence[str], bindings: Sequence[str], model_dir: str
+    settings_class: type, files: Sequence[str], bindings: Sequence[str], model_dir: str
 ) -> None:
     """Replaces `Trainer.remat_policy = "auto"` by the planner's pick for --memory_budget.
 
     The plan (`plan.json`, `plan.png`) is written to model_dir beside the run, and the pick is
     bound in gin so that the `config.gin` of the run names the policy it trained with.
     """
-    name = cli.binding_name(trainer_class, "remat_policy")
+    name = cli.binding_name(settings_class, "remat_policy")
     budget = cli.memory_budget_flag()
     policy = cli.bound_value(name)
     if not (isinstance(policy, str) and policy.strip().lower() == AUTO_POLICY):
@@ -136,7 +136,12 @@ def resolve_auto_policy(
     config = planner.RunConfig(files, bindings, FLAGS.gin_search_paths)
     try:
         plan = planner.make_plan(
-            config, budget, cli.policies_flag(), safety_margin=FLAGS.safety_margin
+            config,
+            budget,
+            cli.policies_flag(),
+            safety_margin=FLAGS.safety_margin,
+            measure=FLAGS.measure,
+            search_budget=FLAGS.search_budget,
         )
     except planner.ConfigError as error:
         raise UsageError(str(error)) from None
@@ -150,9 +155,9 @@ def resolve_auto_policy(
 
 
 def _save_interrupted(run_trainer) -> str:
-    """Saves the interrupted run (see `Trainer.save_interrupted`); the line that reports it."""
+    """Saves the interrupted run (see `RunState.save_interrupted`); the line that reports it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the save short
-    saved = run_trainer.save_interrupted()
+    saved = run_trainer.run_state.save_interrupted()
     if saved is None:
         return (
             f"interrupted at step {run_trainer.step}; not saved (nothing trained yet, a "
@@ -175,7 +180,7 @@ def _build_and_run(trainer_class: type, model_dir: str) -> dict[str, float]:
     if run_trainer.is_chief:  # one record per cluster
         config = gin.operative_config_str()
         write_run_record(model_dir, config, shlex.join(sys.argv))
-        run_trainer.write_text("operative_config", config)
+        run_trainer.summaries.text(run_trainer.step, "operative_config", config)
     try:
         if FLAGS.mode == "train":
             return run_trainer.train()
@@ -194,16 +199,17 @@ def main(argv: Sequence[str]) -> int:
     import tensorflow as tf
 
     from framework.errors import PreemptedError
+    from framework.settings import TrainerSettings
     from framework.trainer import Trainer  # registers every gin name (see configurables)
 
     cli.parse_gin(files, bindings, FLAGS.gin_search_paths)
-    check_required_bindings(Trainer)
+    check_required_bindings(TrainerSettings)
     if FLAGS.print_config:
         _build(Trainer, None)
         print(gin.operative_config_str())
         return 0
     cli.prepare_model_dir(model_dir)
-    resolve_auto_policy(Trainer, files, bindings, model_dir)
+    resolve_auto_policy(TrainerSettings, files, bindings, model_dir)
     try:
         _build_and_run(Trainer, model_dir)
     except PreemptedError as preempted:

@@ -58,6 +58,19 @@ TPU_TENSORFLOW = "2.20.0"
 # (v5e, v6e: up to 8 per host); either way a type above 8 spans several hosts.
 CORE_NAMED = ("v2", "v3", "v4", "v5p")
 CHIP_NAMED = ("v5litepod", "v5e", "v6e")
+# Peak bfloat16 TFLOP/s of one TensorFlow TPU device (what MFU is measured against: TPUs report
+# no type to TensorFlow, so the launcher binds `Runtime.peak_tflops`). From Google's datasheets,
+# per chip: v2 45, v3 123, v4 275, v5p 459, v5e 197, v6e 918; TensorFlow makes one device per
+# TensorCore on v2 and v3 (two per chip) and one per chip from v4 on (megacore).
+TPU_PEAK_TFLOPS = {
+    "v2": 22.5,
+    "v3": 61.5,
+    "v4": 275.0,
+    "v5p": 459.0,
+    "v5litepod": 197.0,
+    "v5e": 197.0,
+    "v6e": 918.0,
+}
 SINGLE_HOST_MAX = 8
 # Remote paths: everything the launcher writes on a worker lives in this one directory, marked
 # as its own so that `setup` never replaces a directory it did not make.
@@ -645,7 +658,7 @@ def setup(args: argparse.Namespace, runner: Runner) -> None:
 
 
 def training_command(
-    args: argparse.Namespace, multi_host: bool
+    args: argparse.Namespace, accelerator_type: str
 ) -> tuple[list[str], dict[str, str]]:
     """The trainer's flags and environment: one client for the whole pod, or the local TPU.
 
@@ -653,8 +666,13 @@ def training_command(
     `--gin.` bindings still override it. On a pod the TPU's name reaches the resolver both as the
     `Runtime.tpu` binding and as TPU_NAME, and TPU_LOAD_LIBRARY=0 keeps the client from loading
     libtpu, which the hosts' TPU worker services own (Google's TF pod tests set the same two).
+    The device's peak TFLOP/s is bound from the accelerator type, unless the user binds it.
     """
-    if multi_host:
+    peak = []
+    if not any("Runtime.peak_tflops" in arg for arg in args.train_args):
+        tflops = TPU_PEAK_TFLOPS[accelerator_family(accelerator_type)[0]]
+        peak = [f"--gin.Runtime.peak_tflops={tflops}"]
+    if is_multi_host(accelerator_type):
         flags = ["--gin_file=runtime/tpu_pod.gin", f'--gin.Runtime.tpu="{args.name}"']
         environment = {"TPU_NAME": args.name, "TPU_LOAD_LIBRARY": "0"}
     else:
@@ -663,11 +681,11 @@ def training_command(
             "NEXT_PLUGGABLE_DEVICE_USE_C_API": "true",
             "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": "/lib/libtpu.so",
         }
-    return [*args.train_args, *flags], environment
+    return [*args.train_args, *flags, *peak], environment
 
 
 def start_training(args: argparse.Namespace, runner: Runner) -> None:
-    train_args, environment = training_command(args, is_multi_host(accelerator_type(args, runner)))
+    train_args, environment = training_command(args, accelerator_type(args, runner))
     runner.run(ssh(args, "0", start_script(train_args, environment)))
 
 

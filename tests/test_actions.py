@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import types
 
 import gin
 import pytest
@@ -75,7 +76,8 @@ def test_an_action_bound_by_gin_runs(tmp_path):
 
 def test_save_checkpoints_and_evaluate_follow_their_intervals():
     class Fake:
-        step, train_steps, saved, evaluated = 0, 20, 0, 0
+        step, saved, evaluated = 0, 0, 0
+        settings = types.SimpleNamespace(train_steps=20)
 
         def save(self):
             self.saved += 1

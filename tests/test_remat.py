@@ -78,6 +78,7 @@ ALL_POLICIES = [
     lambda op: op.op_type in ("Softmax", "Erf") or op.name == "mlp_hidden",
     "random_masks_saveable",
     "dots_saveable+random_masks_saveable",
+    "budget:0.3",
 ]
 POLICY_IDS = [
     "everything",
@@ -89,6 +90,7 @@ POLICY_IDS = [
     "custom",
     "masks",
     "dots+masks",
+    "budget",
 ]
 
 

@@ -132,7 +132,7 @@ def test_default_optimizer_and_loss_take_their_gin_bindings(gin_config):
         "optim.adamw.beta_2 = 0.98", "losses.cross_entropy.label_smoothing = 0.2"
     )
     assert trainer.optimizer.beta_2 == pytest.approx(0.98)
-    assert trainer.loss_fn is configurables.cross_entropy
+    assert trainer.settings.loss_fn is configurables.cross_entropy
     assert trainer.train()["loss"] > 0
 
 

@@ -5,6 +5,7 @@ directory per worker, so these tests cover the lifecycle itself (queued create, 
 logs, status, stop, preemption and resume), not only the command strings.
 """
 
+import argparse
 import json
 import os
 import shlex
@@ -134,6 +135,19 @@ def test_default_runtime_follows_the_hosts_of_the_accelerator_type(accelerator_t
     assert tpu_pod.is_multi_host(accelerator_type) is multi_host
     pod = "-pod" if multi_host else ""
     assert tpu_pod.default_runtime(accelerator_type) == f"tpu-vm-tf-2.20.0{pod}-pjrt"
+
+
+def test_the_peak_tflops_follow_the_accelerator_type_unless_the_user_binds_them():
+    def flags(accelerator_type, *train_args):
+        args = argparse.Namespace(name="pod1", train_args=list(train_args))
+        return tpu_pod.training_command(args, accelerator_type)[0]
+
+    assert flags("v3-8")[-1] == "--gin.Runtime.peak_tflops=61.5"  # a TensorCore: half a chip
+    assert flags("v6e-16")[-1] == "--gin.Runtime.peak_tflops=918.0"
+    mine = "--gin.Runtime.peak_tflops=100"
+    assert [flag for flag in flags("v4-8", mine) if "peak_tflops" in flag] == [mine]
+    for family in (*tpu_pod.CORE_NAMED, *tpu_pod.CHIP_NAMED):
+        assert tpu_pod.TPU_PEAK_TFLOPS[family] > 0
 
 
 def test_newest_runtime_of_a_zone_for_the_supported_tensorflow():
@@ -292,7 +306,12 @@ def test_libtpu_flags_go_to_the_pod_hosts_tpu_runtime_service(cloud):
 def test_a_pod_slice_runs_one_client_on_worker_0(cloud):
     started(cloud, "v4-32")
     (call,) = cloud.lines(0, "train-calls.jsonl")
-    assert call["argv"] == [*FLAGS, "--gin_file=runtime/tpu_pod.gin", '--gin.Runtime.tpu="pod1"']
+    assert call["argv"] == [
+        *FLAGS,
+        "--gin_file=runtime/tpu_pod.gin",
+        '--gin.Runtime.tpu="pod1"',
+        "--gin.Runtime.peak_tflops=275.0",  # a v4 chip (one TensorFlow device)
+    ]
     assert call["env"]["TPU_NAME"] == "pod1" and call["env"]["TPU_LOAD_LIBRARY"] == "0"
     assert call["env"]["NEXT_PLUGGABLE_DEVICE_USE_C_API"] is None
     assert call["cwd"].endswith("framework-tpu/src")
@@ -307,7 +326,11 @@ def test_a_pod_slice_runs_one_client_on_worker_0(cloud):
 def test_a_single_host_runs_locally_with_the_pjrt_plugin(cloud):
     started(cloud, "v5litepod-8")
     (call,) = cloud.lines(0, "train-calls.jsonl")
-    assert call["argv"] == [*FLAGS, "--gin_file=runtime/tpu_vm.gin"]
+    assert call["argv"] == [
+        *FLAGS,
+        "--gin_file=runtime/tpu_vm.gin",
+        "--gin.Runtime.peak_tflops=197.0",
+    ]
     assert call["env"]["NEXT_PLUGGABLE_DEVICE_USE_C_API"] == "true"
     assert call["env"]["TF_PLUGGABLE_DEVICE_LIBRARY_PATH"] == "/lib/libtpu.so"
     assert call["env"]["TPU_NAME"] is None

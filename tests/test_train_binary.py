@@ -12,7 +12,7 @@ import gin
 import pytest
 import tensorflow as tf
 
-from framework import cli, train, trainer
+from framework import cli, settings, train, trainer
 from framework.data import text
 from tests.subprocesses import REPO_DIR, child_env
 
@@ -267,10 +267,10 @@ def test_gin_shorthand_becomes_bindings():
 
 
 def test_binding_names_are_checked_against_the_signature():
-    assert cli.binding_name(trainer.Trainer, "remat_policy") == "Trainer.remat_policy"
+    assert cli.binding_name(settings.TrainerSettings, "remat_policy") == "Trainer.remat_policy"
     assert cli.binding_name(text.TextCorpus, "vocab_path", "data") == "data.TextCorpus.vocab_path"
     with pytest.raises(TypeError, match="Trainer has no parameter 'remat'"):
-        cli.binding_name(trainer.Trainer, "remat")
+        cli.binding_name(settings.TrainerSettings, "remat")
 
 
 @pytest.mark.slow

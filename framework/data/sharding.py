@@ -60,3 +60,21 @@ def share(global_batch_size: int, input_context: tf.distribute.InputContext | No
     per_replica = context.get_per_replica_batch_size(global_batch_size)  # raises if not even
     rows = per_replica * (context.num_replicas_in_sync // context.num_input_pipelines)
     return Share(per_replica, rows, context.input_pipeline_id * rows, global_batch_size)
+
+
+def distribute(
+    strategy: tf.distribute.Strategy,
+    dataset_fn: DatasetFn,
+    split: str,
+    *,
+    global_batch_size: int,
+    start_step: int = 0,
+) -> tf.distribute.DistributedDataset:
+    """`dataset_fn`'s `split` as the strategy's distributed data set: one call per pipeline."""
+
+    def pipeline(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        return dataset_fn(
+            split, context, global_batch_size=global_batch_size, start_step=start_step
+        )
+
+    return strategy.distribute_datasets_from_function(pipeline)

@@ -11,6 +11,7 @@ peak to read, and this module says how to get one rather than report a misleadin
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -85,6 +86,14 @@ def keeps_statistics(device: str) -> bool:
     except AllocatorNotTrackedError:
         return False
     return True
+
+
+def counting_device(device: str) -> str | None:
+    """`device` if its allocator keeps statistics, else None (and a log line saying so)."""
+    if keeps_statistics(device):
+        return device
+    logging.info("peak memory not logged: %s keeps no statistics", device)
+    return None
 
 
 def enable_cpu_bfc_allocator() -> None:

@@ -78,6 +78,8 @@ def main(argv: Sequence[str]) -> int:
             safety_margin=FLAGS.safety_margin,
             steps=FLAGS.steps,
             tie_tolerance=FLAGS.tie_tolerance,
+            measure=FLAGS.measure,
+            search_budget=FLAGS.search_budget,
         )
     except planner.ConfigError as error:
         raise UsageError(str(error)) from None

@@ -1,11 +1,13 @@
 """The pick: the fastest combination whose peak fits the budget, with a safety margin.
 
 The rule, in order:
-1. A combination fits when it ran and its allocator peak is at most
-   `budget * (1 - safety_margin)` (the usable budget). The margin covers what one measured step
+1. A combination fits when it was measured and its peak is at most `budget * (1 -
+   safety_margin)` (the usable budget): the allocator's peak of a step that ran, or XLA's plan
+   of the step plus the optimizer's state when only compiled. The margin covers what one step
    does not show: allocator fragmentation over a long run, evaluation, a checkpoint being written.
 2. Among those that fit, speed is throughput: examples per second (batch size / median step
-   time), so a larger batch wins only when it is faster per example, not per step.
+   time, or / the step's FLOPs at the device's peak when only compiled), so a larger batch wins
+   only when it is faster per example, not per step.
 3. Throughputs within `tie_tolerance` of the best count as equal, because step times on a shared
    machine move by a few percent between runs. Among equals the policy listed first wins (the
    default order goes from the least recomputation to the most), then the higher throughput.
@@ -35,13 +37,13 @@ class Plan:
         return int(self.budget_bytes * (1 - self.safety_margin))
 
     def fits(self, measurement: Measurement) -> bool:
-        return measurement.ok and measurement.peak_bytes <= self.usable_bytes
+        return measurement.ok and measurement.fit_bytes <= self.usable_bytes
 
     @property
     def smallest(self) -> Measurement | None:
         """The measured combination with the lowest peak: what "nothing fits" points to."""
         measured = [m for m in self.measurements if m.ok]
-        return min(measured, key=lambda m: m.peak_bytes) if measured else None
+        return min(measured, key=lambda m: m.fit_bytes) if measured else None
 
 
 def choose(
@@ -52,7 +54,7 @@ def choose(
 ) -> Plan:
     """Judges `measurements` (in the order the policies were listed) against a budget."""
     plan = Plan(tuple(measurements), budget_bytes, safety_margin, tie_tolerance, pick=None)
-    fitting = [m for m in measurements if plan.fits(m)]
+    fitting = [m for m in measurements if plan.fits(m) and m.examples_per_second]
     if not fitting:
         return plan
     best = max(m.examples_per_second for m in fitting)

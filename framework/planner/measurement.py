@@ -1,16 +1,25 @@
-"""One combination's figures, measured in this process: `python -m framework.planner.measurement
-SPEC_JSON` builds the configured Trainer with the given remat policy and batch size, without a
-model directory (no lock, checkpoints or summaries), runs its compiled step and prints one JSON
-line with the results.
+"""The figures of (policy, batch size) combinations: `python -m framework.planner.measurement
+SPEC_JSON` builds the configured Trainer without a model directory (no lock, checkpoints or
+summaries) and prints one JSON line per combination.
 
-It runs in a fresh process per combination (see `sweep.py`), with `TF_CPU_ALLOCATOR_USE_BFC=true`
-set before TensorFlow starts so the CPU allocator keeps the statistics the peak is read from.
+Two ways to measure, `spec["measure"]`:
+- "run": one combination per process (see `sweep.py`), with `TF_CPU_ALLOCATOR_USE_BFC=true` set
+  before TensorFlow starts so the CPU allocator keeps the statistics the peak is read from: the
+  step runs, its allocator peak and median time are measured, and XLA's plan is read beside them.
+- "compile": every combination in one process, nothing run: XLA's buffer assignment of one
+  replica's forward and backward pass plus the optimizer's state is the per-device total, and
+  the dot and convolution FLOPs of that program (recomputation included) over the device's peak
+  FLOP/s estimate its time. The weights and the optimizer state are built once (host memory);
+  no activation is ever allocated, so a step far larger than the host can be planned.
+  `spec["budget_search"]` (usable bytes) also bisects the fraction of `remat.policies.
+  MemoryBudget` that fits.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -20,6 +29,10 @@ import time
 # may not.
 CONFIG_STAGE = "config"
 RUN_STAGE = "run"
+RUN, COMPILE = "run", "compile"
+# Bisection steps of the budget fraction: the fraction found is within 1/2**steps of the largest
+# that fits (by XLA's plan).
+BUDGET_SEARCH_STEPS = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +51,13 @@ class Measurement:
       step_seconds: median wall time of the timed steps.
       error: why the combination failed, or None; `stage` says whether building the run
         (`CONFIG_STAGE`) or running it (`RUN_STAGE`) failed.
+      measure: `RUN` (the step ran) or `COMPILE` (only XLA's plan: no peak_bytes, no
+        step_seconds).
+      state_bytes: the optimizer's state (slots) per device, on top of XLA's plan of the forward
+        and backward pass, whose parameters are the weights.
+      step_flops: dot and convolution FLOPs of one replica's forward and backward pass as
+        compiled, recomputation included (compile measure).
+      peak_flops: the device's peak FLOP/s the step time is estimated from (compile measure).
     """
 
     policy: str
@@ -50,10 +70,33 @@ class Measurement:
     step_seconds: float | None = None
     error: str | None = None
     stage: str | None = None
+    measure: str = RUN
+    state_bytes: int | None = None
+    step_flops: float | None = None
+    peak_flops: float | None = None
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def compiled_step_bytes(self) -> int | None:
+        """XLA's plan of the step per device: the forward and backward pass at its peak
+        (weights, batch, live activations, gradients) plus the optimizer's state."""
+        if self.compiled_peak_bytes is None or self.state_bytes is None:
+            return None
+        return self.compiled_peak_bytes + self.state_bytes
+
+    @property
+    def fit_bytes(self) -> int | None:
+        """What is judged against the budget: the measured peak, or XLA's plan when not run."""
+        return self.peak_bytes if self.measure == RUN else self.compiled_step_bytes
+
+    @property
+    def estimated_step_seconds(self) -> float | None:
+        if not self.step_flops or not self.peak_flops:
+            return None
+        return self.step_flops / self.peak_flops
 
     @property
     def step_bytes(self) -> int | None:
@@ -62,10 +105,16 @@ class Measurement:
         return self.peak_bytes - self.live_before_bytes
 
     @property
+    def seconds(self) -> float | None:
+        """Seconds per step: measured, or (compile measure) estimated from the step's FLOPs at
+        the device's peak."""
+        return self.step_seconds if self.measure == RUN else self.estimated_step_seconds
+
+    @property
     def examples_per_second(self) -> float | None:
-        if not self.step_seconds or not self.batch_size:
+        if not self.seconds or not self.batch_size:
             return None
-        return self.batch_size / self.step_seconds
+        return self.batch_size / self.seconds
 
     @property
     def label(self) -> str:
@@ -75,6 +124,7 @@ class Measurement:
         return {
             **dataclasses.asdict(self),
             "step_bytes": self.step_bytes,
+            "compiled_step_bytes": self.compiled_step_bytes,
             "examples_per_second": self.examples_per_second,
         }
 
@@ -118,7 +168,7 @@ def measure(spec: dict) -> Measurement:
         )
     except Exception as error:  # noqa: BLE001 (any failure to build is the config's)
         return Measurement(policy, batch_size, error=_reason(error), stage=CONFIG_STAGE)
-    batch_size = trainer.global_batch_size
+    batch_size = trainer.settings.global_batch_size
     try:
         return _measure_steps(trainer, policy, spec["steps"])
     except tf.errors.ResourceExhaustedError as error:
@@ -148,7 +198,8 @@ def _measure_steps(trainer, policy: str, steps: int) -> Measurement:
     compiled = memory.compiled_bytes(*trainer.compiled_step())
     return Measurement(
         policy,
-        trainer.global_batch_size,
+        trainer.settings.global_batch_size,
+        state_bytes=_state_bytes(trainer.optimizer),
         peak_bytes=tracker.result.peak_bytes,
         live_before_bytes=tracker.result.live_before_bytes,
         compiled_total_bytes=compiled.total_bytes,
@@ -158,8 +209,92 @@ def _measure_steps(trainer, policy: str, steps: int) -> Measurement:
     )
 
 
+def _state_bytes(optimizer) -> int:
+    import tensorflow as tf
+
+    return sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in optimizer.variables)
+
+
+def measure_compiled(spec: dict):
+    """Yields a compile-only Measurement per (batch size, policy) of `spec`, then (with
+    `spec["budget_search"]`) the largest memory-budget fraction whose plan fits those bytes.
+    All in this process: the trainer is built once, with each policy set on its model in turn."""
+    import tensorflow as tf
+
+    from framework import cli, flops, memory, remat
+    from framework.trainer import Trainer
+
+    policies, batch_sizes = spec["policies"], spec["batch_sizes"]
+    try:
+        cli.parse_gin(spec["files"], spec["bindings"], spec["search_paths"])
+        trainer = Trainer(None, remat_policy=None, count_flops=False)
+    except Exception as error:  # noqa: BLE001 (any failure to build is the config's)
+        for batch_size in batch_sizes:
+            for policy in policies:
+                yield Measurement(policy, batch_size, error=_reason(error), stage=CONFIG_STAGE)
+        return
+    state = _state_bytes(trainer.optimizer)
+    peak, _ = trainer.runtime.peak_flops_per_device(trainer.strategy)
+
+    def compile_one(policy: str, batch_size: int | None) -> Measurement:
+        batch_size = batch_size or trainer.settings.global_batch_size
+        try:
+            resolved = remat.get_policy(policy)
+            enable = resolved is not remat.policies.everything_saveable
+            remat.set_grad_checkpointing(trainer.model, policy=resolved, enable=enable)
+            fn, batch = trainer.compiled_step(batch_size)
+            compiled = memory.compiled_bytes(fn, batch)
+            step_flops, _ = flops.forward_flops(fn, batch)
+        except tf.errors.ResourceExhaustedError as error:
+            message = f"out of host memory while compiling: {_reason(error)}"
+            return Measurement(policy, batch_size, error=message, stage=RUN_STAGE, measure=COMPILE)
+        except Exception as error:  # noqa: BLE001 (reported in the plan's table, not raised)
+            return Measurement(
+                policy, batch_size, error=_reason(error), stage=RUN_STAGE, measure=COMPILE
+            )
+        return Measurement(
+            policy,
+            batch_size,
+            compiled_total_bytes=compiled.total_bytes,
+            compiled_temp_bytes=compiled.temp_bytes,
+            compiled_peak_bytes=compiled.peak_bytes,
+            measure=COMPILE,
+            state_bytes=state,
+            step_flops=float(step_flops),
+            peak_flops=peak,
+        )
+
+    for batch_size in batch_sizes:
+        for policy in policies:
+            yield compile_one(policy, batch_size)
+    usable = spec.get("budget_search")
+    if usable:
+        yield from _search_budget(compile_one, usable, batch_sizes[-1])
+
+
+def _search_budget(compile_one, usable_bytes: int, batch_size: int | None):
+    """Bisects the memory-budget fraction on XLA's plan: yields the largest fraction found
+    whose compiled step fits `usable_bytes` (or the failure at fraction 0)."""
+    low, high, best = 0.0, 1.0, None
+    for _ in range(BUDGET_SEARCH_STEPS):
+        middle = (low + high) / 2
+        result = compile_one(f"budget:{middle:g}", batch_size)
+        if result.ok and result.compiled_step_bytes <= usable_bytes:
+            low, best = middle, result
+        else:
+            high = middle
+    if best is None:
+        best = compile_one("budget:0", batch_size)
+    yield best
+
+
 def main() -> None:
-    result = measure(json.loads(sys.argv[1]))
+    spec = json.loads(sys.argv[1])
+    if spec.get("measure") == COMPILE:
+        for result in measure_compiled(spec):
+            print(json.dumps(result.to_json()), flush=True)
+        return
+    result = measure(spec)
     print(json.dumps(result.to_json()), flush=True)
 
 

@@ -17,12 +17,14 @@ _COLUMNS = (
     "batch",
     "peak",
     "step adds",
-    "XLA total",
+    "XLA step",
     "XLA temp",
     "step s",
     "examples/s",
     "fits",
 )
+# Figures estimated from XLA's plan rather than measured in a run carry this mark.
+ESTIMATED = "~"
 
 
 def _mib(num_bytes: int | None) -> str:
@@ -36,21 +38,28 @@ def _row(plan: Plan, m: Measurement) -> tuple[str, ...]:
     mark = "yes" if plan.fits(m) else "no"
     if m is plan.pick:
         mark = "PICK"
+    estimated = ESTIMATED if m.step_seconds is None else ""
     return (
         m.policy,
         batch,
         _mib(m.peak_bytes),
         _mib(m.step_bytes),
-        _mib(m.compiled_total_bytes),
+        _mib(m.compiled_step_bytes),
         _mib(m.compiled_temp_bytes),
-        f"{m.step_seconds:.3f}",
-        f"{m.examples_per_second:.1f}",
+        "-" if m.seconds is None else f"{estimated}{m.seconds:.3f}",
+        "-" if m.examples_per_second is None else f"{estimated}{m.examples_per_second:.1f}",
         mark,
     )
 
 
 def table(plan: Plan) -> str:
-    """A fixed-width table, one row per combination; a failure keeps its row, the reason last."""
+    """A fixed-width table, one row per combination; a failure keeps its row, the reason last.
+
+    "peak" is the allocator's peak of a step that ran and "step adds" what the step allocated
+    on top of what was live; "XLA step" is XLA's plan of the forward and backward pass at its
+    peak plus the optimizer's state, "XLA temp" its scratch. Times and throughputs marked
+    `ESTIMATED` come from the step's dot and convolution FLOPs at the device's peak FLOP/s.
+    """
     rows = [_COLUMNS, *(_row(plan, m) for m in plan.measurements)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS) - 1)] + [4]
     lines = [
@@ -70,20 +79,23 @@ def verdict(plan: Plan) -> str:
     )
     if plan.pick is not None:
         pick = plan.pick
+        what = "peak" if pick.measure == "run" else "XLA's plan"
+        speed = "" if pick.measure == "run" else " (estimated from its FLOPs)"
         return (
-            f"pick: remat policy {pick.policy} at batch size {pick.batch_size}: peak "
-            f"{format_bytes(pick.peak_bytes)} of a budget of {budget}, "
-            f"{pick.examples_per_second:.1f} examples/s"
+            f"pick: remat policy {pick.policy} at batch size {pick.batch_size}: {what} "
+            f"{format_bytes(pick.fit_bytes)} of a budget of {budget}, "
+            f"{pick.examples_per_second:.1f} examples/s{speed}"
         )
     smallest = plan.smallest
     if smallest is None:
         return f"nothing fits in {budget}: no combination could be measured (see the table)"
-    over = smallest.peak_bytes - plan.usable_bytes
+    over = smallest.fit_bytes - plan.usable_bytes
+    what = "peak" if smallest.measure == "run" else "XLA's plan"
     return (
         f"nothing fits in {budget}: the smallest is remat policy {smallest.policy} at batch "
-        f"size {smallest.batch_size}, peak {format_bytes(smallest.peak_bytes)}, "
+        f"size {smallest.batch_size}, {what} {format_bytes(smallest.fit_bytes)}, "
         f"{format_bytes(over)} over the usable budget "
-        f"({smallest.peak_bytes / plan.budget_bytes:.2f}x the budget)"
+        f"({smallest.fit_bytes / plan.budget_bytes:.2f}x the budget)"
     )
 
 
@@ -115,17 +127,17 @@ def plot(plan: Plan, path: str) -> None:
     from matplotlib import pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    measured = [m for m in plan.measurements if m.ok]
-    times = [m.step_seconds for m in measured] or [0.0]
+    measured = [m for m in plan.measurements if m.ok and m.seconds]
+    times = [m.seconds for m in measured] or [0.0]
     middle = (min(times) + max(times)) / 2
     for m in measured:
         color = "tab:green" if plan.fits(m) else "tab:gray"
-        axes.scatter(m.step_seconds, m.peak_bytes / 2**20, color=color, zorder=3)
+        axes.scatter(m.seconds, m.fit_bytes / 2**20, color=color, zorder=3)
         # Labels point inwards, so the ones of the slowest points stay inside the picture.
-        right = m.step_seconds > middle
+        right = m.seconds > middle
         axes.annotate(
             m.label,
-            (m.step_seconds, m.peak_bytes / 2**20),
+            (m.seconds, m.fit_bytes / 2**20),
             fontsize=8,
             xytext=(-5 if right else 5, 5),
             textcoords="offset points",
@@ -133,8 +145,8 @@ def plot(plan: Plan, path: str) -> None:
         )
     if plan.pick is not None:
         axes.scatter(
-            plan.pick.step_seconds,
-            plan.pick.peak_bytes / 2**20,
+            plan.pick.seconds,
+            plan.pick.fit_bytes / 2**20,
             marker="*",
             s=300,
             facecolors="none",
@@ -149,12 +161,13 @@ def plot(plan: Plan, path: str) -> None:
         linestyle="--",
         label=f"budget - {plan.safety_margin:.0%} margin",
     )
-    peaks = [m.peak_bytes / 2**20 for m in measured] or [plan.budget_bytes / 2**20]
+    peaks = [m.fit_bytes / 2**20 for m in measured] or [plan.budget_bytes / 2**20]
     # A budget far above every peak would squash the points into one line at the bottom.
     axes.set_ylim(0, max(min(plan.budget_bytes / 2**20, 4 * max(peaks)), max(peaks)) * 1.1)
     axes.margins(x=0.15)
-    axes.set_xlabel("median step time (s)")
-    axes.set_ylabel("allocator peak (MiB)")
+    compiled = any(m.measure != "run" for m in measured)
+    axes.set_xlabel("step time (s)" + (", estimated from FLOPs" if compiled else ", median"))
+    axes.set_ylabel("XLA's plan (MiB)" if compiled else "allocator peak (MiB)")
     axes.set_title("remat policy and batch size: memory against time")
     axes.grid(alpha=0.3)
     axes.legend(loc="best", fontsize=8)

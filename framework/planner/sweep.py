@@ -17,7 +17,19 @@ import sys
 from collections.abc import Sequence
 
 from framework.planner.choose import Plan, choose
-from framework.planner.measurement import CONFIG_STAGE, RUN_STAGE, Measurement
+from framework.planner.measurement import (
+    COMPILE,
+    CONFIG_STAGE,
+    RUN,
+    RUN_STAGE,
+    Measurement,
+)
+
+MEASURES = ("auto", RUN, COMPILE)
+# `auto` runs the combinations when XLA's plan of the largest fits in this fraction of the host's
+# available memory (a run also holds the data pipeline, TensorFlow's runtime and the allocator's
+# slack); otherwise it plans from XLA alone.
+HOST_FRACTION = 0.7
 
 DEFAULT_TIMEOUT_SECONDS = 3600
 
@@ -60,6 +72,15 @@ def measure_combination(
         "batch_size": batch_size,
         "steps": steps,
     }
+    results, failure = _child(spec, timeout)
+    if results:
+        return results[-1]
+    return Measurement(policy, batch_size, error=failure, stage=RUN_STAGE)
+
+
+def _child(spec: dict, timeout: float) -> tuple[list[Measurement], str | None]:
+    """Runs `framework.planner.measurement` on `spec` in a fresh process: its results (one JSON
+    line each), and what went wrong when it did not end well."""
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     command = [sys.executable, "-m", "framework.planner.measurement", json.dumps(spec)]
@@ -68,13 +89,56 @@ def measure_combination(
             command, env=env, capture_output=True, text=True, timeout=timeout, check=False
         )
     except subprocess.TimeoutExpired:
-        return Measurement(
-            policy, batch_size, error=f"timed out after {timeout:.0f} s", stage=RUN_STAGE
-        )
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode == 0 and lines:
-        return Measurement.from_json(json.loads(lines[-1]))
-    return Measurement(policy, batch_size, error=_child_failure(proc), stage=RUN_STAGE)
+        return [], f"timed out after {timeout:.0f} s"
+    results = [
+        Measurement.from_json(json.loads(line))
+        for line in proc.stdout.splitlines()
+        if line.startswith("{")
+    ]
+    return results, None if proc.returncode == 0 else _child_failure(proc)
+
+
+def compile_combinations(
+    config: RunConfig,
+    policies: Sequence[str],
+    batch_sizes: Sequence[int | None],
+    budget_search: int | None,
+    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+) -> list[Measurement]:
+    """XLA's plan of every combination, in one fresh process (see `measurement`), then the
+    memory-budget fraction that fits `budget_search` bytes when given."""
+    spec = {
+        "files": list(config.files),
+        "bindings": list(config.bindings),
+        "search_paths": list(config.search_paths),
+        "measure": COMPILE,
+        "policies": list(policies),
+        "batch_sizes": list(batch_sizes),
+        "budget_search": budget_search,
+    }
+    results, failure = _child(spec, timeout)
+    expected = len(policies) * len(batch_sizes) + (1 if budget_search else 0)
+    if failure and len(results) < expected:
+        done = {(m.policy, m.batch_size) for m in results}
+        results += [
+            Measurement(p, b, error=failure, stage=RUN_STAGE, measure=COMPILE)
+            for b in batch_sizes
+            for p in policies
+            if (p, b) not in done
+        ]
+    return results
+
+
+def host_available_bytes() -> int | None:
+    """The memory the host can still give (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def make_plan(
@@ -86,9 +150,17 @@ def make_plan(
     steps: int = 5,
     tie_tolerance: float = 0.05,
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    measure: str = "auto",
+    search_budget: bool = True,
 ) -> Plan:
-    """Measures every combination, one process at a time (they would skew each other's times),
-    and picks one (see `choose`). `None` as a batch size keeps the config's own.
+    """Plans every combination and picks one (see `choose`). `None` as a batch size keeps the
+    config's own.
+
+    First XLA's plan of every combination is read in one process (`compile_combinations`), with
+    the memory-budget fraction that fits when `search_budget`. With `measure` "compile" that is
+    the plan. With "run" every combination (the fraction found included) then runs, one process
+    at a time (they would skew each other's times); "auto" runs them when XLA's plan of the
+    largest fits the host (`HOST_FRACTION` of its available memory), else plans from XLA alone.
 
     Raises:
       ConfigError: when the first combination cannot even be built: the config is wrong, and
@@ -96,9 +168,39 @@ def make_plan(
     """
     from framework.memory import format_bytes
 
+    if measure not in MEASURES:
+        raise ValueError(f"measure must be one of {', '.join(MEASURES)}, got {measure!r}")
+    usable = int(budget_bytes * (1 - safety_margin))
+    compiled = []
+    if measure != RUN or search_budget:
+        logging.info("plan: reading XLA's plan of every combination (nothing runs)")
+        compiled = compile_combinations(
+            config, policies, batch_sizes, usable if search_budget else None, timeout
+        )
+    if compiled and compiled[0].stage == CONFIG_STAGE:
+        raise ConfigError(f"cannot build the run: {compiled[0].error}")
+    for result in compiled:
+        logging.info(
+            "plan: %s: XLA plans %s per device",
+            result.label,
+            format_bytes(result.compiled_step_bytes) if result.ok else f"nothing ({result.error})",
+        )
+    if measure == "auto":
+        largest = max((m.compiled_step_bytes for m in compiled if m.ok), default=0)
+        available = host_available_bytes()
+        measure = RUN if available is None or largest <= HOST_FRACTION * available else COMPILE
+        logging.info(
+            "plan: measure=%s (XLA plans at most %s; the host has %s available)",
+            measure,
+            format_bytes(largest),
+            format_bytes(available) if available else "an unknown amount",
+        )
+    if measure == COMPILE:
+        return choose(compiled, budget_bytes, safety_margin, tie_tolerance)
+    searched = [m.policy for m in compiled[len(policies) * len(batch_sizes) :] if m.ok]
     measurements = []
     for batch_size in batch_sizes:
-        for policy in policies:
+        for policy in [*policies, *searched]:
             logging.info(
                 "plan: measuring remat policy %s, batch size %s",
                 policy,

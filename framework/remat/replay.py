@@ -36,7 +36,7 @@ from collections.abc import Iterator
 import tensorflow as tf
 
 from framework import tf_internals
-from framework.remat.policies import OpInfo, Policy
+from framework.remat.policies import OpInfo, Policy, gradient_reads, policy_name
 
 _IGNORED_OPS = frozenset({"Placeholder", "Const", "NoOp"})
 _CALL_OPS = frozenset(
@@ -168,6 +168,12 @@ def _pack_bits(mask: tf.Tensor) -> tf.Tensor:
     return tf.reduce_sum(bits * tf.constant(_WORD_BIT_VALUES, tf.uint32)[:, None, None], axis=0)
 
 
+def _saveable(outputs: tuple[tf.Tensor, ...]) -> tuple[tf.Tensor, ...]:
+    """Outputs as they are kept: booleans packed as bits (`_pack_bits`)."""
+    with outputs[0].graph.as_default(), tf_internals.stop_recording():
+        return tuple(_pack_bits(t) if _packable(t) else t for t in outputs)
+
+
 def _unpack_bits(packed: tf.Tensor, shape: tf.TensorShape) -> tf.Tensor:
     """Inverse of `_pack_bits` for a mask of static `shape`."""
     rows, columns = _as_rows(shape)
@@ -224,6 +230,8 @@ KEPT_ATTR = "_remat_kept"  # on the identity of each kept value: what it was (fo
 class _Entry:
     info: OpInfo
     origin: str = ""
+    read: bool = False  # a gradient reads its outputs (without remat, they would be held)
+    candidate: tuple[tf.Tensor, ...] | None = None  # outputs a policy may keep
     saved: tuple[tf.Tensor, ...] | None = None  # inside the forward function
     kept: tuple[tf.Tensor, ...] | None = None  # the same values, outputs of the forward call
 
@@ -256,6 +264,7 @@ class Region:
         self._dep: tf.Tensor | None = None
         self._random: set = set()  # tensors computed from random bits and constants alone
         self._constant: set = set()  # tensors computed from constants alone
+        self._producers: dict = {}  # recorded tensor -> its op's entry (`_Entry.read`)
 
     @contextlib.contextmanager
     def _active(self, mode: str, dep: tf.Tensor) -> Iterator[None]:
@@ -276,11 +285,21 @@ class Region:
     def recording(self, dep: tf.Tensor) -> contextlib.AbstractContextManager:
         """Context in which the forward pass is traced; `dep` is a zero tied to the inputs."""
         self.entries = []
-        self._random, self._constant = set(), set()
+        self._random, self._constant, self._producers = set(), set(), {}
         return self._active("record", dep)
 
     def saved(self) -> list[tf.Tensor]:
-        """The values the policy keeps, in op order (call inside the forward function)."""
+        """The values the policy keeps, in op order (call inside the forward function, once
+        its pass is recorded: a policy deciding per region, as `MemoryBudget`, decides here)."""
+        select = getattr(self.policy, "select", None)
+        if select is not None:
+            candidates = [e for e in self.entries if e.candidate is not None]
+            chosen = select([e.info for e in candidates], [e.read for e in candidates])
+            name = policy_name(self.policy)
+            for position, flops_per_byte in chosen.items():
+                entry = candidates[position]
+                entry.origin += f", kept by {name}: {flops_per_byte:.3g} FLOPs/byte"
+                entry.saved = _saveable(entry.candidate)
         return [t for e in self.entries if e.saved is not None for t in e.saved]
 
     def keep(self, values: list[tf.Tensor]) -> None:
@@ -347,6 +366,10 @@ class Region:
             or (op.type == "Identity" and tag is None)
             or (outputs and all(t.dtype == tf.variant for t in outputs))
         ):
+            if self._mode == "record" and op.type == "Identity":
+                self._alias(op.inputs[0], outputs)
+            elif self._mode == "record":  # a call's gradient may read any of its inputs
+                self._mark_read(op.inputs)
             return None
         is_random_op = _is_random_op(op.type)
         info = OpInfo(
@@ -377,22 +400,36 @@ class Region:
             r or self._is_constant(t) for r, t in zip(random, inputs, strict=True)
         )
 
+    def _mark_read(self, tensors) -> None:
+        for t in tensors:
+            if t.ref() in self._producers:
+                self._producers[t.ref()].read = True
+
+    def _alias(self, source: tf.Tensor, outputs) -> None:
+        if source.ref() in self._producers:
+            for t in outputs:
+                self._producers[t.ref()] = self._producers[source.ref()]
+
     def _record(self, info: OpInfo, op: tf.Operation, outputs) -> None:
+        read_inputs, reads_outputs = gradient_reads(op.type, len(op.inputs))
+        self._mark_read([op.inputs[i] for i in read_inputs])
         if info.random:
             self._random.update(t.ref() for t in outputs)
         elif op.inputs and all(self._is_constant(t) for t in op.inputs):
             self._constant.update(t.ref() for t in outputs)
         origin = f"checkpoint_name {info.name!r}" if info.name else f"{op.type} ({op.name})"
-        entry = _Entry(info, origin)
+        entry = _Entry(info, origin, read=reads_outputs)
+        for t in (*outputs, *op.outputs):
+            self._producers[t.ref()] = entry
         if (
             outputs
             and info.op_type not in _NEVER_SAVED
             and not _is_random_op(info.op_type)
             and all(t.dtype not in (tf.resource, tf.variant) for t in outputs)
-            and self.policy(info)
         ):
-            with op.graph.as_default(), tf_internals.stop_recording():
-                entry.saved = tuple(_pack_bits(t) if _packable(t) else t for t in outputs)
+            entry.candidate = tuple(outputs)
+            if not hasattr(self.policy, "select") and self.policy(info):
+                entry.saved = _saveable(entry.candidate)
         self.entries.append(entry)
 
     def _replay(self, info: OpInfo, op: tf.Operation, outputs):
