@@ -14,6 +14,10 @@ scratch one with the source's value wherever the shape matches and the fresh val
 under the model's own object graph, and the model restores it, which checks that every variable
 is matched. (TensorFlow's `ram://` filesystem would spare the disk, but it takes a checkpoint's
 prefix for a directory.)
+
+A published ViT weights file (`.npz`, `.safetensors`) is read by `framework.models.vit_weights`
+instead, under the same rules: a new head is re-initialised and listed, anything else missing
+or of another shape is an error.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from framework import checkpoints, files, tf_internals
+from framework.models import vit_weights
 
 # The checkpoint key TensorFlow stores the object graph under (it maps objects to keys).
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -112,12 +117,20 @@ def _keys_in(reader, own_keys: list[str]) -> dict[str, str]:
     return found
 
 
-def warm_start(model: keras.Model, source: str) -> WarmStart:
+def warm_start(model: keras.Model, source: str) -> WarmStart | vit_weights.Imported:
     """Initialises `model`'s weights from the checkpoint `source` (see the module docstring).
 
     The checkpoint must have been written as `tf.train.Checkpoint(model=...)` (the trainer's
-    are), of the same model class: keys are the paths of the weights in the model.
+    are), of the same model class: keys are the paths of the weights in the model. A `.npz` or
+    `.safetensors` file holds published ViT weights instead (`vit_weights.load_weights`).
     """
+    if vit_weights.is_weights_file(source):
+        try:
+            imported = vit_weights.load_weights(model, source)
+        except vit_weights.WeightsError as error:
+            raise WarmStartError(f"init_checkpoint: {error}") from None
+        logging.info("warm start from %s", imported.summary())
+        return imported
     source = resolve(source)
     scratch_dir = tempfile.mkdtemp(prefix="warm_start-")
     try:

@@ -4,6 +4,7 @@ The full runs take many minutes and their numbers depend on the machine; here on
 checked (subprocess per setting, measuring, ratios, gradient check), on tiny models.
 """
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -121,3 +122,12 @@ def test_faults_quick_kills_resumes_and_loses_nothing(tmp_path):
     assert rows["fresh starts over existing checkpoints"] == "0", rows
     assert rows["checkpoints failing their checksum"].startswith("0 of "), rows
     assert rows["final step"] == "600 of 600", rows
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("timm") is None, reason="PyTorch and timm are not installed"
+)
+def test_parity_timm_quick():
+    report = run_benchmark("parity_timm.py", "--quick").stdout
+    rows = [line for line in report.splitlines() if line.startswith("| ") and "case" not in line]
+    assert len(rows) == 3 and all(row.endswith("| yes |") for row in rows), report

@@ -58,16 +58,30 @@ class MultiHeadAttention(keras.layers.Layer):
         return {**super().get_config(), "num_heads": self.num_heads, "dropout": self.dropout_rate}
 
 
-class Mlp(keras.layers.Layer):
-    """The position-wise feed-forward network: Dense, GELU, Dense."""
+def gelu_tanh(x):
+    """GELU's tanh approximation, which Flax's `nn.gelu` computes by default (so the original ViT
+    and big_vision were trained with it); Keras' "gelu" is the exact erf form, as PyTorch's."""
+    return keras.activations.gelu(x, approximate=True)
 
-    def __init__(self, hidden_dim: int, dropout: float = 0.0, **kwargs):
+
+class Mlp(keras.layers.Layer):
+    """The position-wise feed-forward network: Dense, GELU, Dense.
+
+    `approximate_gelu` picks GELU's tanh approximation over the exact form: weights trained
+    with one give slightly different outputs under the other.
+    """
+
+    def __init__(
+        self, hidden_dim: int, dropout: float = 0.0, approximate_gelu: bool = False, **kwargs
+    ):
         super().__init__(**kwargs)
         self.hidden_dim = hidden_dim
         self.dropout_rate = dropout
+        self.approximate_gelu = approximate_gelu
 
     def build(self, input_shape):
-        self.fc1 = keras.layers.Dense(self.hidden_dim, activation="gelu", name="fc1")
+        activation = gelu_tanh if self.approximate_gelu else "gelu"
+        self.fc1 = keras.layers.Dense(self.hidden_dim, activation=activation, name="fc1")
         self.fc1.build(input_shape)
         self.fc2 = keras.layers.Dense(input_shape[-1], name="fc2")
         self.fc2.build((*input_shape[:-1], self.hidden_dim))
@@ -78,17 +92,30 @@ class Mlp(keras.layers.Layer):
         return checkpoint_name(self.fc2(self.dropout(hidden, training=training)), "mlp_out")
 
     def get_config(self):
-        return {**super().get_config(), "hidden_dim": self.hidden_dim, "dropout": self.dropout_rate}
+        return {
+            **super().get_config(),
+            "hidden_dim": self.hidden_dim,
+            "dropout": self.dropout_rate,
+            "approximate_gelu": self.approximate_gelu,
+        }
 
 
 class TransformerBlock(keras.layers.Layer):
     """Pre-LayerNorm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, num_heads: int, mlp_dim: int, dropout: float = 0.0, **kwargs):
+    def __init__(
+        self,
+        num_heads: int,
+        mlp_dim: int,
+        dropout: float = 0.0,
+        approximate_gelu: bool = False,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self.num_heads = num_heads
         self.mlp_dim = mlp_dim
         self.dropout_rate = dropout
+        self.approximate_gelu = approximate_gelu
 
     def build(self, input_shape):
         self.norm1 = keras.layers.LayerNormalization(epsilon=1e-6, dtype="float32", name="norm1")
@@ -97,7 +124,7 @@ class TransformerBlock(keras.layers.Layer):
         self.attention.build(input_shape)
         self.norm2 = keras.layers.LayerNormalization(epsilon=1e-6, dtype="float32", name="norm2")
         self.norm2.build(input_shape)
-        self.mlp = Mlp(self.mlp_dim, self.dropout_rate, name="mlp")
+        self.mlp = Mlp(self.mlp_dim, self.dropout_rate, self.approximate_gelu, name="mlp")
         self.mlp.build(input_shape)
         self.dropout = keras.layers.Dropout(self.dropout_rate)
 
@@ -115,6 +142,7 @@ class TransformerBlock(keras.layers.Layer):
             "num_heads": self.num_heads,
             "mlp_dim": self.mlp_dim,
             "dropout": self.dropout_rate,
+            "approximate_gelu": self.approximate_gelu,
         }
 
 
@@ -125,9 +153,11 @@ def add_blocks(
     mlp_dim: int,
     dropout: float,
     scan: bool = False,
+    approximate_gelu: bool = False,
 ) -> None:
     """Gives `owner` `depth` TransformerBlocks: attributes `block_0`, `block_1`, ..., or with
     `scan=True` one `ScannedBlocks` attribute `scanned_blocks` holding them stacked in a loop.
+    `approximate_gelu`: the blocks' MLPs use GELU's tanh approximation (see `Mlp`).
 
     One attribute per block, not a list: Keras 3 wraps a list attribute in a type that
     tf.train.Checkpoint does not track, so blocks held in a list would not be saved.
@@ -135,7 +165,7 @@ def add_blocks(
     owner.depth = depth
 
     def make(name: str) -> TransformerBlock:
-        return TransformerBlock(num_heads, mlp_dim, dropout, name=name)
+        return TransformerBlock(num_heads, mlp_dim, dropout, approximate_gelu, name=name)
 
     if scan:
         owner.scanned_blocks = ScannedBlocks(make, depth, name="scanned_blocks")

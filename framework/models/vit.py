@@ -19,7 +19,12 @@ from framework.models.transformer import (
 
 
 class VisionTransformer(keras.Model):
-    """ViT classifier: images [batch, size, size, channels] -> logits [batch, num_classes]."""
+    """ViT classifier: images [batch, size, size, channels] -> logits [batch, num_classes].
+
+    `approximate_gelu=True` computes GELU by its tanh approximation, as the original ViT and
+    big_vision did: their published weights then give the same outputs here (timm's use the
+    exact form, the default). `framework.models.vit_weights` imports published weights.
+    """
 
     def __init__(
         self,
@@ -34,6 +39,7 @@ class VisionTransformer(keras.Model):
         dropout: float = 0.0,
         channels: int = 3,
         scan_layers: bool = False,
+        approximate_gelu: bool = False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -43,6 +49,7 @@ class VisionTransformer(keras.Model):
             )
         self.image_size = image_size
         self.channels = channels
+        self.approximate_gelu = approximate_gelu
         self.num_patches = (image_size // patch_size) ** 2
         self.patch_embed = keras.layers.Conv2D(
             dim, patch_size, strides=patch_size, name="patch_embed"
@@ -56,7 +63,15 @@ class VisionTransformer(keras.Model):
             name="positions",
         )
         self.embed_dropout = keras.layers.Dropout(dropout)
-        add_blocks(self, depth, num_heads, mlp_dim, dropout, scan=scan_layers)
+        add_blocks(
+            self,
+            depth,
+            num_heads,
+            mlp_dim,
+            dropout,
+            scan=scan_layers,
+            approximate_gelu=approximate_gelu,
+        )
         self.norm = keras.layers.LayerNormalization(epsilon=1e-6, dtype="float32", name="norm")
         self.head = keras.layers.Dense(num_classes, dtype="float32", name="head")
         self.build((None, image_size, image_size, channels))
