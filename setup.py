@@ -29,6 +29,7 @@ setup(
             "framework-train=framework.train:console_main",
             "framework-plan=framework.planner.__main__:console_main",
             "framework-sample=framework.sample:console_main",
+            "framework-export=framework.export:console_main",
         ]
     },
 )

@@ -1,7 +1,8 @@
 """What the binaries share: one runner, their flags, gin parsing, the model directory.
 
-Each binary (`framework.train`, `framework.planner`, `framework.sample`) defines the flags it uses
-with the `define_*` functions here and hands its `main(argv) -> exit status` to `run`, which:
+Each binary (`framework.train`, `framework.planner`, `framework.sample`, `framework.export`)
+defines the flags it uses with the `define_*` functions here and hands its `main(argv) -> exit
+status` to `run`, which:
 
 - rewrites t5x-style `--gin.NAME=VALUE` into `--gin_bindings` inside absl's flag parsing;
 - reports bad input - a bad or unknown flag, a gin file or binding, a `UserError` raised by
@@ -222,7 +223,11 @@ def quiet_tensorflow() -> None:
         return
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     for name in ("tensorflow", "absl"):  # our own lines use the root logger
-        logging.getLogger(name).setLevel(logging.WARNING)
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.WARNING)
+        # And a filter: saving a SavedModel sets absl's verbosity to FATAL and back (TensorFlow's
+        # AutoTrackable), which leaves absl's logger at the root's level (INFO) for the rest.
+        logger.addFilter(lambda record: record.levelno >= logging.WARNING)
     for message in HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
     filter_stderr(TENSORFLOW_NOISE)

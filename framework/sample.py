@@ -1,13 +1,9 @@
 """Generates text from a trained decoder LM: `python -m framework.sample --model_dir=DIR`.
 
-The model is rebuilt the way the run built it, from the run's own `DIR/config.gin`
-(`Trainer.model_fn`), and its weights come from the newest checkpoint in `DIR/checkpoints` (only
-the model: the optimizer's slots are not needed). Text is tokenized with the run's vocabulary:
-`data.TextCorpus.vocab_path` when the config records it, else `DIR/vocab.txt`.
-
-The run's `config.gin` is bound with this project's registrations only: a gin file is code, and
-a model directory may come from anywhere, so its `import` and `include` lines are refused rather
-than run (`cli.parse_run_config`).
+The model is rebuilt the way the run built it, from the run's own `DIR/config.gin`, with the
+weights of the newest checkpoint in `DIR/checkpoints` (`framework.run_model`, which refuses the
+config's `import` and `include` lines rather than run them). Text is tokenized with the run's
+vocabulary: `data.TextCorpus.vocab_path` when the config records it, else `DIR/vocab.txt`.
 
 Each new token costs one forward pass over a fixed window of `max_length` tokens (one compiled
 program, no retracing); longer contexts keep their last `max_length` tokens.
@@ -38,7 +34,7 @@ FLAGS = flags.FLAGS
 
 
 class SampleError(UserError):
-    """A problem the user can fix (no run there, no checkpoint, no vocabulary)."""
+    """The run has no vocabulary to sample with."""
 
 
 def load_run(model_dir: str):
@@ -46,16 +42,11 @@ def load_run(model_dir: str):
     import gin
     import tensorflow as tf
 
-    from framework import settings  # registers the names config.gin uses (see configurables)
+    from framework import run_model
     from framework.data import text
     from framework.data import vocab as vocab_lib
 
-    config = os.path.join(model_dir, "config.gin")
-    if not tf.io.gfile.exists(config):
-        raise SampleError(f"{config} not found: is {model_dir!r} the model_dir of a training run?")
-    gin.clear_config()
-    with tf.io.gfile.GFile(config) as f:
-        cli.parse_run_config(f.read(), config)
+    model = run_model.load(model_dir).model
     try:
         vocab_path = gin.query_parameter(
             cli.binding_name(text.TextCorpus, "vocab_path", module="data")
@@ -64,23 +55,7 @@ def load_run(model_dir: str):
         vocab_path = os.path.join(model_dir, "vocab.txt")
     if not tf.io.gfile.exists(vocab_path):
         raise SampleError(f"the run's vocabulary {vocab_path} is missing")
-    vocab = vocab_lib.load_vocab(vocab_path)
-    model_fn = gin.query_parameter(cli.binding_name(settings.TrainerSettings, "model_fn"))
-    model = model_fn.scoped_configurable_fn()
-    from framework import checkpoints
-
-    listing = checkpoints.list_checkpoints(os.path.join(model_dir, "checkpoints"))
-    try:
-        # The newest checkpoint that restores, as the trainer would resume from it.
-        restored = checkpoints.restore_newest(
-            listing,
-            lambda prefix: tf.train.Checkpoint(model=model).restore(prefix).expect_partial(),
-        )
-    except checkpoints.CheckpointError as error:
-        raise SampleError(str(error)) from None
-    if restored is None:
-        raise SampleError(f"no checkpoint in {model_dir}/checkpoints: train first")
-    return model, vocab
+    return model, vocab_lib.load_vocab(vocab_path)
 
 
 def generate(

@@ -551,3 +551,14 @@ def test_set_grad_checkpointing_selection_undo_and_serialization(tmp_path):
     assert type(model.get_layer("blk0")).call is Block.call
     assert "call" not in model.get_layer("blk0").__dict__
     np.testing.assert_allclose(model(x).numpy(), before, rtol=1e-6)
+
+
+def test_checkpoint_names_can_be_left_out_of_a_graph():
+    def graph_text() -> str:
+        traced = tf.function(lambda x: remat.checkpoint_name(x * 2, "h"))
+        return str(traced.get_concrete_function(tf.TensorSpec([2])).graph.as_graph_def())
+
+    assert "_remat_checkpoint_name" in graph_text()
+    with remat.without_checkpoint_names():
+        assert "_remat_checkpoint_name" not in graph_text()
+    assert "_remat_checkpoint_name" in graph_text()

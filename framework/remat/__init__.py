@@ -12,7 +12,12 @@ recomputation that XLA keeps. See docs/remat.md.
 """
 
 from framework.remat import policies
-from framework.remat.checkpoint import checkpoint, checkpoint_name, is_checkpointed
+from framework.remat.checkpoint import (
+    checkpoint,
+    checkpoint_name,
+    is_checkpointed,
+    without_checkpoint_names,
+)
 from framework.remat.keras_model import checkpointed_layers, set_grad_checkpointing
 from framework.remat.policies import OpInfo, get_policy, policy_names
 from framework.remat.replay import (
@@ -38,4 +43,5 @@ __all__ = [
     "print_saved_residuals",
     "saved_residuals",
     "set_grad_checkpointing",
+    "without_checkpoint_names",
 ]

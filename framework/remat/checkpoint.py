@@ -22,8 +22,10 @@ a graph is built).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import keras
@@ -43,6 +45,22 @@ from framework.remat.replay import (
 
 T = TypeVar("T")
 TAG_ATTR = "_remat_checkpoint_name"
+_names = threading.local()
+
+
+@contextlib.contextmanager
+def without_checkpoint_names() -> Iterator[None]:
+    """In this thread, `checkpoint_name` is a plain `tf.identity` that tags nothing.
+
+    For graphs no policy will ever read, such as a model's serving function in a SavedModel
+    (`framework.export`): they then carry no attribute of the remat library.
+    """
+    previous = getattr(_names, "off", False)
+    _names.off = True
+    try:
+        yield
+    finally:
+        _names.off = previous
 
 
 def checkpoint_name(x: T, name: str) -> T:
@@ -50,6 +68,8 @@ def checkpoint_name(x: T, name: str) -> T:
 
     Outside a checkpointed region it is a plain `tf.identity`.
     """
+    if getattr(_names, "off", False):
+        return tf.nest.map_structure(tf.identity, x)
 
     def tag(t):
         with tagging(name):
