@@ -51,6 +51,16 @@ class Share:
     first: int
     global_batch: int
 
+    @property
+    def pipelines(self) -> int:
+        """The number of input pipelines sharing each global batch."""
+        return self.global_batch // self.rows
+
+    @property
+    def pipeline(self) -> int:
+        """This pipeline's index."""
+        return self.first // self.rows
+
 
 def share(global_batch_size: int, input_context: tf.distribute.InputContext | None = None) -> Share:
     """This pipeline's share of each global batch of `global_batch_size` examples."""
