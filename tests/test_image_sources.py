@@ -8,7 +8,9 @@ example by example.
 
 from __future__ import annotations
 
+import functools
 import logging
+import re
 import sys
 from contextlib import nullcontext
 
@@ -19,7 +21,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from framework import cli, train
-from framework.data import augment, images
+from framework.data import augment, images, sharding, streams
 from framework.data import tfds as tfds_source
 from framework.data import tfrecord as tfrecord_source
 from framework.errors import MissingDependency
@@ -127,23 +129,14 @@ def from_tfds(data_dir, split="train", context=None, batch=4, **kwargs):
     )
 
 
-def by_index(make, fixture, **kwargs):
-    """The source with each example's index as its label."""
-    if make is from_records:
-        return lambda *a, **k: make(
-            fixture, *a, label_key="index", label_offset=0, num_classes=None, **kwargs, **k
-        )
-    return lambda *a, **k: make(fixture, *a, label_key="index", **kwargs, **k)
-
-
 @pytest.fixture(params=["tfrecord", "tfds"])
 def source(request, records, tfds_dir):
-    """Each of the two sources, labelled by example index."""
-    return (
-        by_index(from_records, records)
-        if request.param == "tfrecord"
-        else by_index(from_tfds, tfds_dir)
-    )
+    """Each of the two sources, with each example's index as its label."""
+    if request.param == "tfrecord":
+        return functools.partial(
+            from_records, records, label_key="index", label_offset=0, num_classes=None
+        )
+    return functools.partial(from_tfds, tfds_dir, label_key="index")
 
 
 def batches(dataset, count=None):
@@ -191,6 +184,7 @@ def test_pipelines_reading_everything_split_each_global_batch(source):
             np.testing.assert_array_equal(joined, whole[step][i])
 
 
+@pytest.mark.tf_compat
 def test_eval_counts_every_example_once(source, pipelines=3):
     per_pipeline = [
         batches(source("eval", context(pipelines, p), batch=6)) for p in range(pipelines)
@@ -200,6 +194,19 @@ def test_eval_counts_every_example_once(source, pipelines=3):
     indices = np.concatenate([b[1] for bs in per_pipeline for b in bs])
     assert len(weights) == 12 and weights.sum() == EVAL  # 7 examples in 2 global batches of 6
     assert sorted(indices[weights > 0]) == list(range(100, 100 + EVAL))
+
+
+@pytest.mark.parametrize("count, batch, pipelines", [(7, 7, 1), (7, 2, 2), (0, 2, 1)])
+def test_eval_rows_pad_the_last_global_batch_only(count, batch, pipelines):
+    """A split filling its last global batch gets no padding batch; an empty one no batch."""
+    records = tf.data.Dataset.range(count)
+    rows = [
+        list(streams.eval_rows(records, sharding.share(batch, context(pipelines, p))))
+        for p in range(pipelines)
+    ]
+    real = [int(r) for part in rows for r, weight in part if weight == 1.0]
+    assert sorted(real) == list(range(count))
+    assert sum(len(part) for part in rows) == -(-count // batch) * batch
 
 
 def test_tfrecord_labels_take_the_offset_and_bfloat16_images(records):
@@ -226,7 +233,7 @@ def test_a_wrong_label_offset_stops_at_the_first_batch(records):
     ],
 )
 def test_tfrecord_settings_are_checked(records, kwargs, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         from_records(records, **kwargs)
 
 
@@ -247,6 +254,7 @@ def test_tfds_settings_are_checked(tfds_dir, tmp_path, monkeypatch):
         from_tfds(tfds_dir)
 
 
+@pytest.mark.tf_compat
 def test_tfds_by_name_through_mock_data():
     """cifar10 by name, no download: TFDS's mock yields 10 random examples of its features."""
     with tfds.testing.mock_data(num_examples=10):
@@ -290,6 +298,7 @@ def folder_data(folders, context=None, **kwargs):
     )
 
 
+@pytest.mark.tf_compat
 def test_mixed_batches_resume_exactly_and_do_not_depend_on_the_layout(folders):
     """RandAugment, mixup and cutmix are keyed by position: a resumed stream and two pipelines'
     rows give the very batches of one uninterrupted pipeline."""

@@ -36,6 +36,8 @@ class ImageSource:
       eval: () -> the held-out split's records, each once, in a fixed order.
       parse: record -> (decoded image [height, width, 3] uint8, int32 label), in `tf.data`.
       num_classes: the number of classes, which mixup and cutmix need (None if unknown).
+      prep: the image settings.
+      seed: keys the order and every random draw.
     """
 
     name: str
@@ -43,6 +45,8 @@ class ImageSource:
     eval: Callable[[], tf.data.Dataset]
     parse: Callable[[object], tuple[tf.Tensor, tf.Tensor]]
     num_classes: int | None
+    prep: image_ops.Preprocessing
+    seed: int
 
 
 def check_split_and_seed(source: str, split: str, seed: object) -> None:
@@ -54,21 +58,19 @@ def check_split_and_seed(source: str, split: str, seed: object) -> None:
 def labelled_images(
     split: str,
     input_context: tf.distribute.InputContext | None,
-    *,
     global_batch_size: int,
     start_step: int,
     source: ImageSource,
-    prep: image_ops.Preprocessing,
-    seed: int,
 ) -> tf.data.Dataset:
-    """The pipeline of the module docstring: batches of (images, labels) for "train" (labels
-    [batch, classes] float32 probabilities with mixup/cutmix, else int32), of (images, labels,
-    weights) for "eval"."""
+    """The pipeline of the module docstring over `source`: batches of (images, labels) for
+    "train" (labels [batch, classes] float32 probabilities with mixup/cutmix, else int32), of
+    (images, labels, weights) for "eval"."""
+    prep, seed = source.prep, source.seed
     part = sharding.share(global_batch_size, input_context)
     if prep.mixes:  # checked for both splits: the trainer builds eval first
         _check_mixing(source, part)
     if split == "eval":
-        return _eval_batches(source, part, prep)
+        return _eval_batches(source, part)
 
     def example(position, record):
         image, label = source.parse(record)
@@ -103,12 +105,10 @@ def _check_mixing(source: ImageSource, part: sharding.Share) -> None:
         )
 
 
-def _eval_batches(
-    source: ImageSource, part: sharding.Share, prep: image_ops.Preprocessing
-) -> tf.data.Dataset:
+def _eval_batches(source: ImageSource, part: sharding.Share) -> tf.data.Dataset:
     def example(record, weight):
         image, label = source.parse(record)
-        return image_ops.eval_image(image, prep), label, weight
+        return image_ops.eval_image(image, source.prep), label, weight
 
     dataset = streams.eval_rows(source.eval(), part)
     dataset = dataset.map(example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
@@ -179,13 +179,7 @@ def image_folder(
         eval=lambda: tf.data.Dataset.range(len(files)),
         parse=parse,
         num_classes=len(classes),
-    )
-    return labelled_images(
-        split,
-        input_context,
-        global_batch_size=global_batch_size,
-        start_step=start_step,
-        source=source,
         prep=prep,
         seed=seed,
     )
+    return labelled_images(split, input_context, global_batch_size, start_step, source)

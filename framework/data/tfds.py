@@ -140,14 +140,12 @@ def tfds(
         return image_ops.decode(example[image_key]), tf.cast(example[label_key], tf.int32)
 
     source = images.ImageSource(
-        name="tfds", train=train, eval=lambda: eval_data, parse=parse, num_classes=num_classes
-    )
-    return images.labelled_images(
-        split,
-        input_context,
-        global_batch_size=global_batch_size,
-        start_step=start_step,
-        source=source,
+        name="tfds",
+        train=train,
+        eval=lambda: eval_data,
+        parse=parse,
+        num_classes=num_classes,
         prep=prep,
         seed=seed,
     )
+    return images.labelled_images(split, input_context, global_batch_size, start_step, source)

@@ -151,13 +151,7 @@ def tfrecord(
         eval=lambda: tf.data.TFRecordDataset(files, num_parallel_reads=cycle_length),
         parse=parse,
         num_classes=num_classes,
-    )
-    return images.labelled_images(
-        split,
-        input_context,
-        global_batch_size=global_batch_size,
-        start_step=start_step,
-        source=source,
         prep=prep,
         seed=seed,
     )
+    return images.labelled_images(split, input_context, global_batch_size, start_step, source)
