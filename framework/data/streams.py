@@ -55,7 +55,7 @@ def _rows_of(part: sharding.Share) -> Callable:
     return rows
 
 
-def indexed_epochs(count: int, seed: int, part: sharding.Share, start_step: int):
+def indexed_epochs(count: int, seed: int, part: sharding.Share, start_step: int) -> tf.data.Dataset:
     """(position, example index) of this pipeline's rows from `start_step` on, over `count`
     examples epoch after epoch, each epoch a permutation drawn from (seed, epoch). Positions are
     computed, not read, so resuming costs nothing."""
