@@ -22,7 +22,10 @@ setup(
         "matplotlib>=3.5",  # plan.png of `python -m framework.planner`
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff>=0.6"],
+        # data.tfds; tensorflow-datasets names no TensorFlow version, and 4.9.10 installs and
+        # runs beside TensorFlow 2.20 and 2.21 (protobuf, numpy 2).
+        "tfds": ["tensorflow-datasets>=4.9.10,<5"],
+        "test": ["pytest>=8", "ruff>=0.6", "tensorflow-datasets>=4.9.10,<5"],
     },
     entry_points={
         "console_scripts": [

@@ -13,14 +13,15 @@ from collections.abc import Sequence
 import gin
 
 from framework import losses, optim, remat
-from framework.data import images, synthetic_images, text
+from framework.data import images, synthetic_images, text, tfds, tfrecord
 from framework.models import language, vit
 
 for _model in (vit.VisionTransformer, vit.vit_tiny, vit.vit_small, vit.vit_b16, vit.vit_l16):
     gin.external_configurable(_model, module="models")
 
 gin.external_configurable(synthetic_images.shapes, module="data")
-gin.external_configurable(images.image_folder, module="data")
+for _data in (images.image_folder, tfrecord.tfrecord, tfds.tfds):
+    gin.external_configurable(_data, module="data")
 
 for _model in (
     language.DecoderLM,

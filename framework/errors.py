@@ -16,6 +16,10 @@ class UsageError(UserError):
     """Bad input on the command line or in a config."""
 
 
+class MissingDependency(UserError, ImportError):
+    """An optional package a setting needs is not installed; the message says how to get it."""
+
+
 class TrainerError(UserError, RuntimeError):
     """A problem of the run (bad data, divergence, an unreadable checkpoint, a taken lock)."""
 

@@ -1,8 +1,11 @@
-"""Losses: per-target values from logits and integer labels.
+"""Losses: per-target values from logits and labels.
 
 A loss returns one value per label (any rank: one per image, one per token); the step weights
 them (padding weighs 0) and sums them over the global batch. The trainer's `loss_fn` is any
 function of this shape.
+
+Labels are integer class ids [...], or floating-point class probabilities [..., C] (soft labels:
+mixup and cutmix make them). `label_classes` gives the class each label counts as for accuracy.
 """
 
 from __future__ import annotations
@@ -17,18 +20,37 @@ LossFn = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
 def cross_entropy(
     logits: tf.Tensor, labels: tf.Tensor, *, label_smoothing: float = 0.0
 ) -> tf.Tensor:
-    """Softmax cross-entropy of integer `labels` [...] under `logits` [..., C], per label.
+    """Softmax cross-entropy of `labels` under `logits` [..., C], per label: integer labels
+    [...], or class probabilities [..., C] (mixed labels).
 
-    With `label_smoothing` e the target puts 1 - e on the label and spreads e uniformly over
-    the C classes. Computed as (1 - e) * CE + e * (logsumexp(logits) - mean(logits)), which is
-    the same value without building a [..., C] one-hot target (C is 32k or more for language
-    models).
+    With `label_smoothing` e the target is (1 - e) * the label's + e spread uniformly over the C
+    classes. Computed as (1 - e) * CE + e * (logsumexp(logits) - mean(logits)), which is the same
+    value without building a [..., C] one-hot target (C is 32k or more for language models).
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"cross_entropy.label_smoothing must be in [0, 1), got {label_smoothing}")
     logits = tf.cast(logits, tf.float32)
-    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+    labels = tf.convert_to_tensor(labels)
+    if labels.dtype.is_floating:
+        if labels.shape[-1] != logits.shape[-1]:
+            raise ValueError(
+                f"the labels are probabilities over {labels.shape[-1]} classes, the logits over "
+                f"{logits.shape[-1]}: give the model the data set's number of classes"
+            )
+        labels = tf.cast(labels, tf.float32)
+        losses = tf.nn.softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+    else:
+        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
     if label_smoothing:
         uniform = tf.reduce_logsumexp(logits, -1) - tf.reduce_mean(logits, -1)
         losses = (1.0 - label_smoothing) * losses + label_smoothing * uniform
     return losses
+
+
+def label_classes(labels: tf.Tensor) -> tf.Tensor:
+    """The class each label counts as for accuracy: integer labels as they are, class
+    probabilities their most probable class (for a mixed pair, the larger part)."""
+    labels = tf.convert_to_tensor(labels)
+    if labels.dtype.is_floating:
+        return tf.argmax(labels, -1, output_type=tf.int32)
+    return labels

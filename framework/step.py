@@ -23,7 +23,7 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
-from framework.losses import LossFn, cross_entropy
+from framework.losses import LossFn, cross_entropy, label_classes
 
 # What a train loop returns, summed over its steps (the norm too: divide by the steps).
 TRAIN_SUMS = ("loss_sum", "correct", "count", "grad_norm")
@@ -32,9 +32,12 @@ EVAL_SUMS = ("loss_sum", "correct", "count")
 
 def unpack(batch) -> tuple:
     """(inputs, labels, weights) of a batch given as (inputs, labels) or (inputs, labels,
-    weights); weights are float32 ones when absent."""
+    weights); weights are float32 ones when absent, one per label (class probabilities
+    [..., C] are one label)."""
     inputs, labels, weights = batch if len(batch) == 3 else (*batch, None)
-    weights = tf.ones(tf.shape(labels)) if weights is None else tf.cast(weights, tf.float32)
+    if weights is None:
+        weights = tf.ones(tf.shape(label_classes(labels)))
+    weights = tf.cast(weights, tf.float32)
     return inputs, labels, weights
 
 
@@ -43,13 +46,14 @@ def batch_sums(
 ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """Weighted sums of the loss, of correct predictions and of the weights over one batch.
 
-    Labels may have any rank (one per image, or one per token); a weight of 0 leaves a label
-    out (padding).
+    Labels may have any rank (one per image, or one per token), as class ids or class
+    probabilities (`losses.label_classes`); a weight of 0 leaves a label out (padding).
     """
     inputs, labels, weights = unpack(batch)
     logits = tf.cast(model(inputs, training=training), tf.float32)
     losses = loss_fn(logits, labels)
-    hits = tf.equal(tf.argmax(logits, -1, output_type=labels.dtype), labels)
+    classes = label_classes(labels)
+    hits = tf.equal(tf.argmax(logits, -1, output_type=classes.dtype), classes)
     return (
         tf.reduce_sum(losses * weights),
         tf.reduce_sum(tf.cast(hits, tf.float32) * weights),

@@ -113,8 +113,8 @@ def test_eval_counts_every_example_once(folders, pipelines):
     "kwargs, message",
     [
         ({"train_directory": "/no/such/dir"}, "image folder '/no/such/dir' not found"),
-        ({"dtype": "float16"}, "images.dtype must be"),
-        ({"image_size": 0}, "images.image_size must be a positive integer"),
+        ({"dtype": "float16"}, "data.image_folder.dtype must be"),
+        ({"image_size": 0}, "data.image_folder.image_size must be a positive integer"),
     ],
 )
 def test_bad_arguments_are_clear_errors(folders, tmp_path, kwargs, message):

@@ -77,6 +77,37 @@ def test_label_smoothing_equals_the_one_hot_definition(smoothing):
     np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_soft_labels_are_cross_entropy_against_class_probabilities(smoothing):
+    """Mixed labels (mixup, cutmix): the loss of l * a + (1 - l) * b is l CE(a) + (1 - l) CE(b)."""
+    rng = np.random.default_rng()
+    logits = rng.normal(size=(6, 5)).astype(np.float32)
+    first, second = rng.integers(0, 5, size=6), rng.integers(0, 5, size=6)
+    mix = rng.uniform(size=(6, 1)).astype(np.float32)
+    soft = mix * tf.one_hot(first, 5) + (1 - mix) * tf.one_hot(second, 5)
+    expected = keras.losses.CategoricalCrossentropy(
+        from_logits=True, label_smoothing=smoothing, reduction=None
+    )(soft, logits)
+    got = losses.cross_entropy(logits, soft, label_smoothing=smoothing)
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+    parts = [
+        losses.cross_entropy(logits, labels, label_smoothing=smoothing)
+        for labels in (first, second)
+    ]
+    np.testing.assert_allclose(got, mix[:, 0] * parts[0] + (1 - mix[:, 0]) * parts[1], rtol=1e-5)
+
+
+def test_one_hot_labels_give_the_gradients_and_accuracy_of_integer_labels():
+    model, (images, labels, weights) = _model_and_batch()
+    sums, grads = step.gradients(model, (images, labels, weights))
+    soft_sums, soft_grads = step.gradients(model, (images, tf.one_hot(labels, 4), weights))
+    np.testing.assert_allclose(np.array(soft_sums), np.array(sums), rtol=1e-6)
+    for a, b in zip(grads, soft_grads, strict=True):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-7)
+    unweighted = step.batch_sums(model, (images, tf.one_hot(labels, 4)))
+    assert unweighted[2].numpy() == 8  # one weight per image, not per class
+
+
 def test_bad_label_smoothing_is_a_clear_error():
     with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\), got 1.0"):
         losses.cross_entropy(tf.zeros([2, 3]), tf.zeros([2], tf.int32), label_smoothing=1.0)

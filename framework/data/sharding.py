@@ -8,7 +8,8 @@ once per input pipeline (one per host under a multi-worker or TPU strategy, as
 `strategy.distribute_datasets_from_function` calls it) and returns that pipeline's batches of
 `input_context.get_per_replica_batch_size(global_batch_size)` examples: an endless stream for
 "train" starting at global step `start_step`, and a finite held-out set for "eval". Each
-element is (inputs, integer labels) or (inputs, labels, weights).
+element is (inputs, labels) or (inputs, labels, weights); labels are integer class ids, or float
+class probabilities [..., classes] (mixed labels).
 
 The trainer, not the data set, owns the global batch size, since the planner and the user
 change it per run; `input_context=None` means one pipeline feeding one replica (a notebook, a
@@ -50,6 +51,16 @@ class Share:
     rows: int
     first: int
     global_batch: int
+
+    @property
+    def pipelines(self) -> int:
+        """The number of input pipelines sharing each global batch."""
+        return self.global_batch // self.rows
+
+    @property
+    def pipeline(self) -> int:
+        """This pipeline's index."""
+        return self.first // self.rows
 
 
 def share(global_batch_size: int, input_context: tf.distribute.InputContext | None = None) -> Share:

@@ -1,0 +1,132 @@
+"""Streams of examples keyed by their position, shared by the image sources.
+
+Global step `s` holds stream positions `[s * G, (s + 1) * G)` (G: the global batch); an input
+pipeline makes rows `[first, first + rows)` of each global batch (`sharding.share`). Training
+streams are endless and start at `start_step`; eval streams cover the split once, padded with
+weight-0 examples to whole global batches.
+
+Two ways for a pipeline to get its rows:
+
+- **read all** (`pipeline_rows`): every pipeline builds the same global stream and keeps its rows.
+  The stream is the same whatever the number of pipelines, at the price of every pipeline reading
+  every record (only its own rows are decoded).
+- **read own** (`own_positions`): each pipeline reads its own part of the data (its files, a
+  sub-split) and numbers its examples as the rows it fills. Each pipeline reads 1/P of the data,
+  but the stream depends on the number of pipelines P: a run resumed with another P continues
+  with other examples in another order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tensorflow as tf
+
+from framework.data import sharding
+
+ENDLESS = 2**62
+SHARDING = ("auto", "read_own", "read_all")
+
+
+def reads_own(setting: str, sharding: str, auto: bool) -> bool:
+    """Whether each pipeline reads its own part of the data, for a source's `sharding` setting
+    (named `setting` in errors); `auto` is the source's choice for 'auto'."""
+    if sharding not in SHARDING:
+        raise ValueError(f"{setting} must be one of {SHARDING}, got {sharding!r}")
+    return sharding == "read_own" or (sharding == "auto" and auto)
+
+
+def pipeline_rows(dataset: tf.data.Dataset, part: sharding.Share) -> tf.data.Dataset:
+    """This pipeline's rows of each global batch of `dataset`, a stream starting at a global
+    batch boundary."""
+    if part.rows == part.global_batch:
+        return dataset
+    batches = dataset.batch(part.global_batch, drop_remainder=True)
+    return batches.map(_rows_of(part)).unbatch()
+
+
+def _rows_of(part: sharding.Share) -> Callable:
+    """A function keeping this pipeline's rows of a global batch."""
+
+    def rows(*batch):
+        batch = batch if len(batch) > 1 else batch[0]
+        return tf.nest.map_structure(lambda x: x[part.first : part.first + part.rows], batch)
+
+    return rows
+
+
+def indexed_epochs(count: int, seed: int, part: sharding.Share, start_step: int) -> tf.data.Dataset:
+    """(position, example index) of this pipeline's rows from `start_step` on, over `count`
+    examples epoch after epoch, each epoch a permutation drawn from (seed, epoch). Positions are
+    computed, not read, so resuming costs nothing."""
+    positions = tf.data.Dataset.range(start_step * part.global_batch, ENDLESS)
+
+    def index(position):
+        epoch, offset = position // count, position % count
+        order = tf.random.experimental.stateless_shuffle(
+            tf.range(count, dtype=tf.int64), seed=tf.stack([tf.cast(seed, tf.int64), epoch])
+        )
+        return position, order[offset]
+
+    stream = positions.map(index, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return pipeline_rows(stream, part)
+
+
+def block_shuffle(
+    records: tf.data.Dataset, block: int, seed: int, epoch: tf.Tensor
+) -> tf.data.Dataset:
+    """`records` in blocks of `block`, each block in a permutation drawn from (seed, epoch,
+    block index): the locality of a shuffle buffer of that size, with stateless draws (tf.data's
+    shuffle takes no tensor seed once a global seed is set, as the trainer sets one)."""
+    key = tf.stack([tf.cast(seed, tf.int64), tf.cast(epoch, tf.int64)])
+
+    def permute(index, batch):
+        size = tf.shape(tf.nest.flatten(batch)[0])[0]
+        block_key = tf.random.experimental.stateless_fold_in(key, index)
+        order = tf.random.experimental.stateless_shuffle(tf.range(size), seed=block_key)
+        return tf.nest.map_structure(lambda x: tf.gather(x, order), batch)
+
+    return records.batch(block).enumerate().map(permute).unbatch()
+
+
+def record_epochs(
+    epoch: Callable[[tf.Tensor], tf.data.Dataset],
+    part: sharding.Share,
+    start_step: int,
+    *,
+    read_own: bool,
+    epoch_length: Callable[[], int],
+) -> tf.data.Dataset:
+    """(position, record) of this pipeline's rows from `start_step` on, over the endless
+    stream epoch(0), epoch(1), ... (each a deterministic order of the records).
+
+    `read_own`: the epochs hold only this pipeline's records (see the module docstring), else
+    the records of all pipelines. On resume, whole epochs are skipped without reading them
+    (`epoch_length()`, the records per epoch, is asked only then) and the records of the
+    current epoch before `start_step` are read and dropped, undecoded.
+    """
+    per_step = part.rows if read_own else part.global_batch
+    skip = start_step * per_step
+    first_epoch, within = divmod(skip, epoch_length()) if skip else (0, 0)
+    stream = tf.data.Dataset.range(first_epoch, ENDLESS).flat_map(epoch).skip(within)
+    stream = stream.enumerate(skip)
+    if not read_own:
+        return pipeline_rows(stream, part)
+
+    def position(index, record):  # the index-th example this pipeline makes
+        step, row = index // part.rows, index % part.rows
+        return step * part.global_batch + part.first + row, record
+
+    return stream.map(position)
+
+
+def eval_rows(records: tf.data.Dataset, part: sharding.Share) -> tf.data.Dataset:
+    """(record, weight) for this pipeline's rows of each global batch of a finite split: every
+    record once with weight 1, the last global batch completed with weight-0 copies of the
+    first record. Every pipeline reads every record and yields the same number of rows, so all
+    replicas run the same number of steps and no count is needed beforehand."""
+    real = records.map(lambda record: (record, 1.0))
+    padding = records.take(1).map(lambda record: (record, 0.0)).repeat()
+    batches = real.concatenate(padding).batch(part.global_batch, drop_remainder=True)
+    batches = batches.take_while(lambda record, weight: weight[0] > 0)
+    return batches.map(_rows_of(part)).unbatch()
