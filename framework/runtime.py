@@ -15,7 +15,8 @@ import gin
 import keras
 import tensorflow as tf
 
-from framework import checks, distribute, flops, xla
+from framework import checks, distribute, flops, tf_internals, xla
+from framework.memory import units
 
 PRECISIONS = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
 # Datasheet peak of dense matrix products, TFLOP/s per GPU, in bfloat16 (what MFU is quoted
@@ -42,6 +43,9 @@ class Runtime:
       peak_tflops: the peak TFLOP/s of one device, which model FLOPs utilisation (MFU) is
         measured against. None: looked up for known GPUs, measured on CPUs (a short matrix
         product benchmark), unknown on TPUs (then set it).
+      xla_memory_limit: a byte size ("14GiB") under which XLA's own rematerialization pass keeps
+        each compiled program, on TPUs and GPUs (`xla.remat_limit_flags`; docs/memory.md). XLA:CPU
+        has no such pass: set here on a CPU runtime it is an error at start.
     """
 
     strategy: str = "one_device"
@@ -54,6 +58,7 @@ class Runtime:
     libtpu_flags: Sequence[str] = ()
     precision: str = "float32"
     peak_tflops: float | None = None
+    xla_memory_limit: str | None = None
 
     def __post_init__(self) -> None:
         # Gin passes any value: check before anything is set or built.
@@ -69,6 +74,11 @@ class Runtime:
         checks.integer("Runtime.cpu_devices", self.cpu_devices, optional=True)
         checks.number("Runtime.peak_tflops", self.peak_tflops, optional=True)
         checks.boolean("Runtime.tpu_node", self.tpu_node)
+        if self.xla_memory_limit is not None:
+            try:
+                units.parse_bytes(self.xla_memory_limit)
+            except ValueError as error:
+                raise ValueError(f"Runtime.xla_memory_limit: {error}") from None
 
     def start(self) -> tf.distribute.Strategy:
         """Sets the compiler flags and the precision, then builds and returns the strategy.
@@ -76,7 +86,11 @@ class Runtime:
         Call it before TensorFlow runs anything: XLA reads its flags once per process, and
         logical CPU devices cannot be made once devices are in use.
         """
-        xla.set_xla_flags(self.xla_flags, self.tf_xla_flags, self.libtpu_flags)
+        limit = self.xla_memory_limit and units.parse_bytes(self.xla_memory_limit)
+        libtpu_flags = list(self.libtpu_flags)
+        if limit and self.strategy == "tpu":  # before TensorFlow loads libtpu
+            libtpu_flags += xla.remat_limit_flags("TPU", limit)[1]
+        xla.set_xla_flags(self.xla_flags, self.tf_xla_flags, libtpu_flags)
         strategy = distribute.create_strategy(
             self.strategy,
             self.cpu_devices,
@@ -84,6 +98,10 @@ class Runtime:
             tpu=self.tpu,
             tpu_node=self.tpu_node,
         )
+        if limit and self.strategy != "tpu":  # XLA reads XLA_FLAGS at the first compilation
+            kind = tf.DeviceSpec.from_string(strategy.extended.worker_devices[0]).device_type
+            device_bytes = tf_internals.device_memory_bytes(kind) if kind == "GPU" else None
+            xla.set_xla_flags(xla.remat_limit_flags(kind, limit, device_bytes)[0])
         keras.config.set_dtype_policy(PRECISIONS[self.precision])
         return strategy
 

@@ -103,6 +103,17 @@ def runtime_started() -> bool:
     return context.context()._initialized
 
 
+def device_memory_bytes(device_type: str) -> int | None:
+    """The memory TensorFlow's allocator may use on the first local device of `device_type`
+    (about the device's total, less what the runtime keeps), or None when there is none."""
+    from tensorflow.python.client import device_lib
+
+    for device in device_lib.list_local_devices():
+        if device.device_type == device_type and device.memory_limit:
+            return int(device.memory_limit)
+    return None
+
+
 def autograph_like_caller(function: Callable) -> Callable:
     """`function`, converted by AutoGraph if the code calling us is (as inside a `tf.function`).
 

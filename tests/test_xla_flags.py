@@ -1,6 +1,7 @@
 import pytest
 
-from framework import xla
+from framework import tf_internals, xla
+from framework.runtime import Runtime
 from tests.subprocesses import run_python
 
 
@@ -39,3 +40,27 @@ def test_flags_reach_xla_when_set_before_the_first_compile(tmp_path):
         print(json.dumps({{"dumps": len(glob.glob("{tmp_path}/*buffer-assignment.txt"))}}))
     """)
     assert result["dumps"] >= 1
+
+
+def test_the_remat_memory_limit_becomes_each_platforms_flag():
+    assert xla.remat_limit_flags("TPU", 14 * 2**30) == ([], ["--xla_tpu_max_hbm_size_mib=14336"])
+    # 12 GiB of a 16 GiB GPU: 12 / (0.8 * 16) = 93.75%, rounded down to stay under the limit.
+    flags, _ = xla.remat_limit_flags("GPU", 12 * 2**30, device_bytes=16 * 2**30)
+    assert flags == ["--xla_gpu_memory_limit_slop_factor=93"]
+    with pytest.raises(xla.XlaMemoryLimitError, match="memory size is unknown"):
+        xla.remat_limit_flags("GPU", 2**30)
+    with pytest.raises(xla.XlaMemoryLimitError, match="runs no rematerialization pass"):
+        xla.remat_limit_flags("CPU", 2**30)
+
+
+def test_an_xla_memory_limit_is_checked_when_the_runtime_is_made_and_started():
+    with pytest.raises(ValueError, match="Runtime.xla_memory_limit"):
+        Runtime(xla_memory_limit="lots")
+    # This machine's runtime is a CPU: the setting would do nothing, so starting refuses it.
+    with pytest.raises(xla.XlaMemoryLimitError, match="Trainer.remat_policy"):
+        Runtime(xla_memory_limit="1GiB").start()
+
+
+def test_device_memory_is_read_for_local_devices():
+    assert tf_internals.device_memory_bytes("CPU") > 0
+    assert tf_internals.device_memory_bytes("TPU") is None  # none on this machine
