@@ -155,6 +155,15 @@ def _recompute_grad_blocks(model: Any) -> None:
             object.__setattr__(block, "call", call)
 
 
+def is_budget(setting: str) -> bool:
+    """A memory-budget policy, `budget:F` (any fraction F from 0 to 1)."""
+    return setting.startswith(remat.policies.BUDGET_PREFIX)
+
+
+def label(setting: str) -> str:
+    return SETTING_LABELS.get(setting) or f"`{setting}`"
+
+
 def build_model(spec: ModelSpec, setting: str) -> Any:
     """Builds the model with `setting` applied; the same seed gives the same weights for all."""
     keras.utils.set_random_seed(0)
@@ -163,7 +172,7 @@ def build_model(spec: ModelSpec, setting: str) -> Any:
         with keras.RematScope(mode=setting.removeprefix("rematscope_")):
             return spec.build()
     model = spec.build()
-    if setting in POLICIES:
+    if setting in POLICIES or is_budget(setting):
         remat.set_grad_checkpointing(model, policy=setting)
     elif setting == "recompute_grad":
         _recompute_grad_blocks(model)
@@ -330,13 +339,13 @@ def format_table(results: list[dict[str, Any]]) -> str:
             grad = f"crash: {r['grad_crash']}"
         else:
             grad = "reference" if r["setting"] == "none" else "-"
-        label = SETTING_LABELS[r["setting"]]
+        name = label(r["setting"])
         if "error" in r:
-            rows.append(f"| {r['model']} | {label} | crash: {r['error']} | | | | | | {grad} |")
+            rows.append(f"| {r['model']} | {name} | crash: {r['error']} | | | | | | {grad} |")
             continue
         cells = [
             r["model"],
-            label,
+            name,
             _mib(r["step_bytes"]),
             _ratio(r["step_bytes"], b.get("step_bytes")),
             _mib(r["temp_bytes"]),
@@ -424,7 +433,9 @@ def format_report(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"from {MODELS}")
-    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"from {SETTINGS}")
+    parser.add_argument(
+        "--settings", default=",".join(SETTINGS), help=f"from {SETTINGS}, or budget:F"
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5, quick 2)")
     parser.add_argument("--out", help="also write the report (markdown) to this file")
     parser.add_argument("--quick", action="store_true", help="tiny models, for a smoke test")
@@ -434,14 +445,19 @@ def main() -> None:
         parser.error("--steps must be at least 1")
     steps = args.steps or (2 if args.quick else 5)
     if args.child:
-        model_name, setting = args.child.split(":")
+        model_name, setting = args.child.split(":", 1)
         print(json.dumps(measure(model_name, setting, steps, args.quick)))
         return
 
     model_names, settings = args.models.split(","), args.settings.split(",")
     for name, known in [(m, MODELS) for m in model_names] + [(s, SETTINGS) for s in settings]:
-        if name not in known:
+        if name not in known and not (known is SETTINGS and is_budget(name)):
             parser.error(f"unknown {name!r}; choose from {known}")
+    for setting in filter(is_budget, settings):
+        try:
+            remat.get_policy(setting)
+        except ValueError as error:
+            parser.error(str(error))
     # "none" first: the ratios are against it.
     settings = ["none", *[s for s in settings if s != "none"]]
     started = datetime.datetime.now()

@@ -94,7 +94,7 @@ def train_run(model_dir, gin_file: str, bindings: list[str], batch: int, steps: 
             run.train()
         else:
             run.save()
-        return run, next(iter(run.dataset_fn("eval", global_batch_size=batch)))[0]
+        return run, next(iter(run.settings.dataset_fn("eval", global_batch_size=batch)))[0]
     finally:
         gin.clear_config()
 

@@ -1,7 +1,7 @@
 """launch/local_cluster.py: real worker processes with TF_CONFIG on 127.0.0.1.
 
-The same global batch over 2 workers trains like one device; SIGTERM saves a checkpoint at a step
-both workers agree on and a restart resumes there; a SIGKILLed worker stops the launcher. The
+SIGTERM saves a checkpoint at a step both workers agree on, a restart resumes there, and the run
+equals the same global batches on one device; a SIGKILLed worker stops the launcher. The
 workers' servers cannot be reached from outside the cluster (for root and for an unprivileged
 user), a launcher that cannot ensure that refuses to start, and a SIGKILLed launcher takes its
 workers with it.
@@ -149,23 +149,6 @@ def test_tf_config_names_every_worker_and_this_task():
     assert len(set(local_cluster.free_ports(4))) == 4
 
 
-def test_two_workers_train_like_one_device_with_remat(tmp_path):
-    cluster = start_cluster(tmp_path / "mw", "--gin.Trainer.train_steps=10")
-    output = cluster.communicate(timeout=300)[0]
-    assert cluster.returncode == 0, output[-3000:]
-    assert "[worker 1]" in output and "multi_worker_mirrored with 2 replica(s)" in output
-    assert (tmp_path / "mw" / "config.gin").exists()
-
-    args = {**tiny.TRAINER_ARGS, "remat_policy": "dots_saveable", "train_steps": 10}
-    single = Trainer(str(tmp_path / "one"), **args)
-    single.train()
-    restored = Trainer(str(tmp_path / "mw"), **args)  # the workers' final checkpoint
-    assert restored.step == 10
-    loss_one, loss_mw = single.evaluate()["loss"], restored.evaluate()["loss"]
-    # Same examples, same initial weights; only the order of float sums differs (all-reduce).
-    assert abs(loss_mw - loss_one) / loss_one < 1e-4, (loss_mw, loss_one)
-
-
 def assert_reachable_only_inside_the_cluster(workers: list[tuple[int, int]]) -> None:
     """The workers train, so they reach each other on 127.0.0.1:PORT; nothing outside their
     network namespace reaches them: not another address of this machine, not the host's lo."""
@@ -177,22 +160,37 @@ def assert_reachable_only_inside_the_cluster(workers: list[tuple[int, int]]) -> 
         assert refuses("127.0.0.1", port), f"worker port {port} is open on the host's lo"
 
 
-def test_sigterm_saves_where_the_workers_agree_and_a_restart_resumes(tmp_path):
-    cluster = start_cluster(tmp_path, "--gin.Trainer.train_steps=100000")
+def test_sigterm_saves_where_the_workers_agree_and_the_restart_trains_like_one_device(tmp_path):
+    """Two workers train until SIGTERM, save at a step both agree on, and a restart resumes there
+    and finishes; the result equals the same run on one device (same global batches, initial
+    weights and schedules: only the order of float sums differs, in the all-reduce)."""
+    cluster = start_cluster(tmp_path / "mw", "--gin.Trainer.train_steps=100000")
     lines = wait_for(cluster, r"\[worker 1\].*step 10/100000")
     assert_reachable_only_inside_the_cluster(launcher_lines(lines))
     cluster.send_signal(signal.SIGTERM)
     output = cluster.communicate(timeout=120)[0]
     assert cluster.returncode == local_cluster.PREEMPTED_EXIT_CODE, output[-3000:]
+    everything = "".join(lines) + output
+    assert "[worker 1]" in output and "multi_worker_mirrored with 2 replica(s)" in everything
     saved = sorted(
         int(m) for m in re.findall(r"preempted: saved a checkpoint at step (\d+)", output)
     )
     assert len(saved) == 2 and saved[0] == saved[1] and saved[0] >= 10, output[-3000:]
-
-    restart = start_cluster(tmp_path, f"--gin.Trainer.train_steps={saved[0] + 5}")
+    end = saved[0] + 5
+    restart = start_cluster(tmp_path / "mw", f"--gin.Trainer.train_steps={end}")
     output = restart.communicate(timeout=300)[0]
     assert restart.returncode == 0, output[-3000:]
     assert f"restored step {saved[0]}" in output
+    assert (tmp_path / "mw" / "config.gin").exists()
+
+    args = {**tiny.TRAINER_ARGS, "remat_policy": "dots_saveable"}
+    Trainer(str(tmp_path / "one"), **args, train_steps=100000).train(max_steps=saved[0])
+    single = Trainer(str(tmp_path / "one"), **args, train_steps=end)
+    single.train()
+    restored = Trainer(str(tmp_path / "mw"), **args, train_steps=end)  # the workers' last save
+    assert restored.step == single.step == end
+    loss_one, loss_mw = single.evaluate()["loss"], restored.evaluate()["loss"]
+    assert abs(loss_mw - loss_one) / loss_one < 1e-4, (loss_mw, loss_one)
 
 
 def test_an_unprivileged_cluster_is_isolated_and_a_killed_worker_stops_the_launcher(tmp_path):

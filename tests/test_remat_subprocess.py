@@ -1,14 +1,14 @@
 """framework.remat checks that need a fresh process: allocator memory, leaks, MirroredStrategy.
 
 The BFC allocator statistics and logical CPU devices must be configured
-before TensorFlow initialises, which pytest's shared process has already done. Each test runs this
-file as a script with a scenario name; the scenario prints one JSON line that the test checks.
+before TensorFlow initialises, which pytest's shared process has already done. One process (this
+file run as a script) splits the CPU in two logical devices, then runs every scenario and prints
+one JSON line with their results, which the tests check: one TensorFlow start for all of them.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
@@ -17,27 +17,28 @@ from tests.subprocesses import run_json
 pytestmark = pytest.mark.slow  # subprocesses: the full tier only
 
 
-def run_scenario(name: str) -> dict:
-    return run_json([__file__, name], {"TF_CPU_ALLOCATOR_USE_BFC": "true"}, timeout=600)
+@pytest.fixture(scope="module")
+def scenarios() -> dict:
+    return run_json([__file__], {"TF_CPU_ALLOCATOR_USE_BFC": "true"}, timeout=600)
 
 
-def test_memory_ratios_under_xla():
-    peaks = run_scenario("memory")
+def test_memory_ratios_under_xla(scenarios):
+    peaks = scenarios["memory"]
     full, none, dots = peaks["everything_saveable"], peaks["nothing_saveable"], peaks["dots"]
     assert none <= 0.35 * full, peaks
     assert none < dots < full, peaks
 
 
-def test_no_leak_over_50_steps():
-    result = run_scenario("leak")
+def test_no_leak_over_50_steps(scenarios):
+    result = scenarios["leak"]
     # The first step of each setting traced two blocks, each forward and recomputed.
     assert set(result["runs"].values()) == {4}, result["runs"]
     for key, grown in result["drift"].items():
         assert grown <= 32 * 1024, (key, result)
 
 
-def test_mirrored_strategy_two_replicas():
-    result = run_scenario("mirrored")
+def test_mirrored_strategy_two_replicas(scenarios):
+    result = scenarios["mirrored"]
     assert result["errors"], "no policy was checked"
     # Each replica traced each of the two blocks forward and recomputed.
     assert set(result["runs"].values()) == {8}, result["runs"]
@@ -124,13 +125,8 @@ def _leak() -> dict:
 
 
 def _mirrored() -> dict:
-    import tensorflow as tf
-
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()]
-    )
     import keras
+    import tensorflow as tf
 
     from framework import remat
 
@@ -170,7 +166,7 @@ def _mirrored() -> dict:
         for blk in blocks:
             remat.checkpoint(blk, None)
         want = run(jit)
-        for policy in ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable"):
+        for policy in ("nothing_saveable", "dots_with_no_batch_dims_saveable", "budget:0.3"):
             for blk in blocks:
                 remat.checkpoint(blk, policy)
             before = Block.calls
@@ -186,5 +182,12 @@ def _mirrored() -> dict:
 
 
 if __name__ == "__main__":
-    scenario = {"memory": _memory, "leak": _leak, "mirrored": _mirrored}[sys.argv[1]]
-    print(json.dumps(scenario()))
+    import tensorflow as tf
+
+    # Before anything runs: the mirrored scenario needs two logical devices; the others use the
+    # first (its allocator's statistics are those of the whole CPU).
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()]
+    )
+    print(json.dumps({"mirrored": _mirrored(), "memory": _memory(), "leak": _leak()}))
