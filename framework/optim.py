@@ -54,6 +54,24 @@ class ScaledSchedule(Schedule):
         return {"schedule": self.schedule.get_config(), "scale": float(self.scale.numpy())}
 
 
+def scheduled_optimizer(
+    optimizer_fn: OptimizerFn,
+    variables: list,
+    learning_rate: float,
+    warmup_steps: int,
+    total_steps: int,
+    weight_decay: float,
+) -> tuple[keras.optimizers.Optimizer, tf.Variable]:
+    """`optimizer_fn`'s optimizer on the warm-up + cosine schedule times a scale variable, built
+    for `variables`; and that scale, which a divergence rollback lowers (it is saved with the
+    checkpoints, so a restart keeps it). Call it in the strategy's scope."""
+    scale = tf.Variable(1.0, trainable=False, name="lr_scale")
+    schedule = ScaledSchedule(warmup_cosine(learning_rate, warmup_steps, total_steps), scale)
+    optimizer = optimizer_fn(schedule, weight_decay)
+    optimizer.build(variables)
+    return optimizer, scale
+
+
 def warmup_cosine(
     learning_rate: float, warmup_steps: int, total_steps: int, final_fraction: float = 0.0
 ) -> Schedule:

@@ -103,3 +103,11 @@ class TrainerSettings:
         )
         checks.number("Trainer.lock_lease_seconds", self.lock_lease_seconds)
         checks.boolean("Trainer.count_flops", self.count_flops)
+
+    def check_replicas(self, replicas: int) -> None:
+        """Each replica must get an equal part of the global batch, in equal micro-batches."""
+        if self.global_batch_size % (replicas * self.microbatches):
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} does not split over {replicas} "
+                f"replica(s) x {self.microbatches} micro-batch(es)"
+            )

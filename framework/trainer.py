@@ -43,12 +43,7 @@ class Trainer:
         self.runtime = s.runtime or Runtime()
         self.strategy = self.runtime.start()
         self.is_chief = distribute.is_chief(self.strategy)
-        replicas = self.strategy.num_replicas_in_sync
-        if s.global_batch_size % (replicas * s.microbatches):
-            raise ValueError(
-                f"global_batch_size {s.global_batch_size} does not split over {replicas} "
-                f"replica(s) x {s.microbatches} micro-batch(es)"
-            )
+        s.check_replicas(self.strategy.num_replicas_in_sync)
         self.traces: collections.Counter[str] = collections.Counter()
         self.flops: tuple[float, float | None] | None = None  # per step, peak of all devices
         # Peak memory is logged per loop for the first replica's device, if its allocator counts.
@@ -60,13 +55,14 @@ class Trainer:
             if s.remat_policy is not None:
                 blocks = remat.set_grad_checkpointing(self.model, policy=s.remat_policy)
                 logging.info("remat policy %s on %d blocks", s.remat_policy, len(blocks))
-            # Lowered by a divergence rollback; saved with the checkpoints so a restart keeps it.
-            self.learning_rate_scale = tf.Variable(1.0, trainable=False, name="lr_scale")
-            schedule = optim.warmup_cosine(s.learning_rate, s.warmup_steps, s.train_steps)
-            self.optimizer = s.optimizer_fn(
-                optim.ScaledSchedule(schedule, self.learning_rate_scale), s.weight_decay
+            self.optimizer, self.learning_rate_scale = optim.scheduled_optimizer(
+                s.optimizer_fn,
+                self.model.trainable_variables,
+                s.learning_rate,
+                s.warmup_steps,
+                s.train_steps,
+                s.weight_decay,
             )
-            self.optimizer.build(self.model.trainable_variables)
         data = getattr(getattr(s.dataset_fn, "func", s.dataset_fn), "__name__", "?")
         optimizer = type(self.optimizer).__name__.removeprefix("ReducedGradient")
         logging.info(

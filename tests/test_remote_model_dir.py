@@ -29,6 +29,7 @@ BINDINGS = [
     "Trainer.steps_per_loop = 2",
     "Trainer.global_batch_size = 4",
     "Trainer.eval_every = None",
+    "Trainer.count_flops = False",
     "SEQUENCE_LENGTH = 32",
     "VOCAB_SIZE = 256",
     "data.TextCorpus.files = ['README.md']",
