@@ -55,8 +55,8 @@ class Measurement:
         step_seconds).
       state_bytes: the optimizer's state (slots) per device, on top of XLA's plan of the forward
         and backward pass, whose parameters are the weights.
-      step_flops: dot and convolution FLOPs of one replica's forward and backward pass as
-        compiled, recomputation included (compile measure).
+      step_flops: dot and convolution FLOPs of one replica's forward and backward pass in XLA's
+        optimised program, the recomputation it keeps included (compile measure).
       peak_flops: the device's peak FLOP/s the step time is estimated from (compile measure).
     """
 
@@ -221,7 +221,7 @@ def measure_compiled(spec: dict):
     All in this process: the trainer is built once, with each policy set on its model in turn."""
     import tensorflow as tf
 
-    from framework import cli, flops, memory, remat
+    from framework import cli, flops, memory, remat, tf_internals
     from framework.trainer import Trainer
 
     policies, batch_sizes = spec["policies"], spec["batch_sizes"]
@@ -243,8 +243,15 @@ def measure_compiled(spec: dict):
             enable = resolved is not remat.policies.everything_saveable
             remat.set_grad_checkpointing(trainer.model, policy=resolved, enable=enable)
             fn, batch = trainer.compiled_step(batch_size)
-            compiled = memory.compiled_bytes(fn, batch)
-            step_flops, _ = flops.forward_flops(fn, batch)
+            # One compilation for both figures. FLOPs are counted in the optimised module: the
+            # unoptimised one still holds every policy's whole recomputation, whose products XLA
+            # removes where kept values replace them.
+            ir = fn.experimental_get_compiler_ir(batch)
+            proto = tf_internals.hlo_pb2.HloProto.FromString(
+                ir(stage="optimized_hlo_proto_serialized")
+            )
+            compiled = memory.memory_from_hlo_proto(proto)
+            step_flops, _ = flops.hlo_matmul_flops(proto.hlo_module)
         except tf.errors.ResourceExhaustedError as error:
             message = f"out of host memory while compiling: {_reason(error)}"
             return Measurement(policy, batch_size, error=message, stage=RUN_STAGE, measure=COMPILE)
