@@ -94,19 +94,25 @@ def policy_name(policy: Policy) -> str:
     return getattr(policy, "__name__", repr(policy))
 
 
-def _einsum_has_batch_dims(op: OpInfo) -> bool:
+def _einsum_labels(op: OpInfo) -> tuple[list[str], str] | None:
+    """An einsum's (operand labels, output labels), spaces removed; None without an explicit
+    output."""
     equation = op.attr("equation")
     if equation is None:
-        return True
+        return None
     text = equation.s.decode() if hasattr(equation, "s") else str(equation)
-    text = text.replace(" ", "").replace("...", "")
     if "->" not in text:
+        return None
+    lhs, out = text.replace(" ", "").split("->")
+    return lhs.split(","), out
+
+
+def _einsum_has_batch_dims(op: OpInfo) -> bool:
+    labels = _einsum_labels(op)
+    if labels is None or len(labels[0]) != 2:
         return True
-    lhs, out = text.split("->")
-    operands = lhs.split(",")
-    if len(operands) != 2:
-        return True
-    return bool(set(operands[0]) & set(operands[1]) & set(out))
+    (a, b), out = [x.replace("...", "") for x in labels[0]], labels[1].replace("...", "")
+    return bool(set(a) & set(b) & set(out))
 
 
 def dots_with_no_batch_dims_saveable(op: OpInfo) -> bool:
@@ -179,18 +185,16 @@ def _contracted(op: OpInfo) -> int:
     if op.op_type.startswith("BatchMatMul") and len(a) >= 2:
         adjoint = op.attr("adj_x")
         return a[-2] if adjoint is not None and adjoint.b else a[-1]
-    if op.op_type == "Einsum":
-        equation = op.attr("equation")
-        text = (equation.s.decode() if equation is not None else "").replace(" ", "")
-        if "->" in text and "." not in text:
-            operands, out = text.split("->")
-            sizes = {
-                label: size
-                for labels, shape in zip(operands.split(","), op.input_shapes, strict=False)
-                for label, size in zip(labels, shape, strict=False)
-            }
-            summed = [sizes[label] for label in set(operands) - set(out) - {","}]
-            return math.prod(summed) if all(summed) else 1
+    labels = _einsum_labels(op) if op.op_type == "Einsum" else None
+    if labels is not None and "." not in "".join(labels[0]):
+        operands, out = labels
+        sizes = {
+            label: size
+            for letters, shape in zip(operands, op.input_shapes, strict=False)
+            for label, size in zip(letters, shape, strict=False)
+        }
+        summed = [sizes[label] for label in set("".join(operands)) - set(out)]
+        return math.prod(summed) if all(summed) else 1
     if op.op_type.startswith("Conv") and len(op.input_shapes) > 1:
         kernel = op.input_shapes[1]  # [spatial..., in, out]
         return math.prod(kernel[:-1]) if all(kernel[:-1]) else 1
