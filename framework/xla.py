@@ -75,7 +75,12 @@ def set_xla_flags(
         if flags:
             os.environ[var] = merge_flags(os.environ.get(var, ""), flags)
     values = {var: os.environ.get(var, "") for var in ENV_VARS}
-    for var, value in values.items():
-        if value:
-            logging.info("%s=%s", var, value)
+    for var, value in current_flags().items():
+        logging.info("%s=%s", var, value)
     return values
+
+
+def current_flags() -> dict[str, str]:
+    """The compiler flag variables this process has set (empty ones left out): what a plan or a
+    benchmark records beside its figures, since the flags change what XLA compiles."""
+    return {var: os.environ[var] for var in ENV_VARS if os.environ.get(var)}

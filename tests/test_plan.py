@@ -19,6 +19,7 @@ from tests.subprocesses import REPO_DIR, child_env
 
 pytestmark = pytest.mark.slow  # subprocesses: the full tier only
 
+SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 TINY = [
     "--gin_file=quickstart.gin",
     "--gin.data.shapes.image_size=16",
@@ -29,6 +30,8 @@ TINY = [
     "--gin.Trainer.train_steps=4",
     "--gin.Trainer.steps_per_loop=2",
     "--gin.Trainer.count_flops=False",
+    # A flag that changes XLA:CPU's schedule (and so its buffer assignment), recorded in the plan.
+    f"--gin.Runtime.xla_flags=['{SCHEDULER_FLAG}']",
 ]
 POLICIES = "--policies=none,nothing_saveable"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -80,6 +83,9 @@ def test_nothing_fits_names_the_smallest_and_how_far_over(tight_plan):
     assert "remat policy nothing_saveable at batch size 64" in verdict
     assert "over the usable budget" in verdict
     assert plan_json["verdict"] == verdict and plan_json["pick"] is None
+    # The flags the steps were compiled under, since the figures hold only under them.
+    assert lines[-3].startswith("compiled under XLA_FLAGS=") and SCHEDULER_FLAG in lines[-3]
+    assert SCHEDULER_FLAG in plan_json["xla_flags"]["XLA_FLAGS"]
 
 
 def test_plan_json_has_one_entry_per_combination(tight_plan):

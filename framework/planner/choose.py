@@ -40,6 +40,12 @@ class Plan:
         return measurement.ok and measurement.fit_bytes <= self.usable_bytes
 
     @property
+    def xla_flags(self) -> dict[str, str]:
+        """The compiler flags the combinations were compiled under (the config's, the same for
+        each): figures planned under other flags do not hold."""
+        return next((m.xla_flags for m in self.measurements if m.xla_flags is not None), {})
+
+    @property
     def smallest(self) -> Measurement | None:
         """The measured combination with the lowest peak: what "nothing fits" points to."""
         measured = [m for m in self.measurements if m.ok]

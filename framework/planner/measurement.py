@@ -58,6 +58,8 @@ class Measurement:
       step_flops: dot and convolution FLOPs of one replica's forward and backward pass in XLA's
         optimised program, the recomputation it keeps included (compile measure).
       peak_flops: the device's peak FLOP/s the step time is estimated from (compile measure).
+      xla_flags: the compiler flag variables the step was compiled under (`xla.current_flags`:
+        the run's `Runtime.xla_flags`, `xla_memory_limit`, ...), empty ones left out.
     """
 
     policy: str
@@ -74,6 +76,7 @@ class Measurement:
     state_bytes: int | None = None
     step_flops: float | None = None
     peak_flops: float | None = None
+    xla_flags: dict[str, str] | None = None
 
     @property
     def ok(self) -> bool:
@@ -182,7 +185,7 @@ def measure(spec: dict) -> Measurement:
 def _measure_steps(trainer, policy: str, steps: int) -> Measurement:
     """Warms up (trace, compile, optimizer slots), then measures one steady step's peak, the
     median time of `steps` steps, and XLA's buffer assignment of the step."""
-    from framework import distribute, memory
+    from framework import distribute, memory, xla
 
     # The first replica's device: on TPU and GPU that device's own allocator is read.
     device = distribute.first_device(trainer.strategy)
@@ -199,6 +202,7 @@ def _measure_steps(trainer, policy: str, steps: int) -> Measurement:
     return Measurement(
         policy,
         trainer.settings.global_batch_size,
+        xla_flags=xla.current_flags(),
         state_bytes=_state_bytes(trainer.optimizer),
         peak_bytes=tracker.result.peak_bytes,
         live_before_bytes=tracker.result.live_before_bytes,
@@ -221,7 +225,7 @@ def measure_compiled(spec: dict):
     All in this process: the trainer is built once, with each policy set on its model in turn."""
     import tensorflow as tf
 
-    from framework import cli, flops, memory, remat, tf_internals
+    from framework import cli, flops, memory, remat, tf_internals, xla
     from framework.trainer import Trainer
 
     policies, batch_sizes = spec["policies"], spec["batch_sizes"]
@@ -269,6 +273,7 @@ def measure_compiled(spec: dict):
             state_bytes=state,
             step_flops=float(step_flops),
             peak_flops=peak,
+            xla_flags=xla.current_flags(),
         )
 
     for batch_size in batch_sizes:

@@ -59,6 +59,7 @@ def table(plan: Plan) -> str:
     on top of what was live; "XLA step" is XLA's plan of the forward and backward pass at its
     peak plus the optimizer's state, "XLA temp" its scratch. Times and throughputs marked
     `ESTIMATED` come from the step's dot and convolution FLOPs at the device's peak FLOP/s.
+    The last line names the XLA flags the steps were compiled under.
     """
     rows = [_COLUMNS, *(_row(plan, m) for m in plan.measurements)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS) - 1)] + [4]
@@ -66,6 +67,8 @@ def table(plan: Plan) -> str:
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows
     ]
     lines.insert(1, "  ".join("-" * width for width in widths))
+    flags = " ".join(f"{var}={value!r}" for var, value in plan.xla_flags.items())
+    lines.append(f"compiled under {flags or 'no XLA flags (its defaults)'}")
     return "\n".join(lines)
 
 
@@ -106,6 +109,7 @@ def to_json(plan: Plan) -> dict:
         "safety_margin": plan.safety_margin,
         "usable_bytes": plan.usable_bytes,
         "tie_tolerance": plan.tie_tolerance,
+        "xla_flags": plan.xla_flags,
         "combinations": [
             {**m.to_json(), "fits": plan.fits(m), "picked": m is plan.pick}
             for m in plan.measurements

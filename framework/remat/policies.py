@@ -154,10 +154,14 @@ def save_any_names_but_these(*names: str) -> Policy:
     return policy
 
 
-# What recomputing a value costs, in FLOPs per value, where it is not a product: the draw of a
-# random value (a dropout keep mask: counter-based bits, a conversion and a comparison) took about
-# 11 ns per value on XLA:CPU here, as long as ~30 multiply-adds; other ops count one per value.
-RANDOM_FLOPS_PER_VALUE = 30
+# What recomputing a value costs, in FLOPs per value, where it is not a product. A FLOP here is
+# one of a matrix unit's, and vector work is slower per operation than that on every backend: the
+# draw of a random value (a dropout keep mask: counter-based hash rounds, a conversion and a
+# comparison, ~50-100 vector operations) took 11 ns per value on XLA:CPU here, as long as ~1200
+# FLOPs of a matrix product at the 108 GFLOP/s the same machine reached; matrix units outrun
+# vector units by 10-30x on GPUs and TPUs too. Other ops count one per value: XLA fuses them into
+# the op that reads them, so recomputing them costs about what reading them would.
+RANDOM_FLOPS_PER_VALUE = 1000
 ELEMENTWISE_FLOPS_PER_VALUE = 1
 # Ops that compute nothing (a new view of their input): keeping their output saves no work.
 LAYOUT_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Identity", "StopGradient"})
@@ -314,14 +318,14 @@ class MemoryBudget:
     pass holds the values its gradients read (a product's inputs, a softmax's output, ...: see
     `gradient_reads`); their bytes are the budget's whole. Of those values, and of the dropout
     masks (kept as bits, sparing the random draw), the ones whose recomputation costs the most
-    FLOPs per byte kept (matrix products first, then masks, then elementwise work) are kept in
-    that order while their bytes stay within `fraction` of the whole; a value that does not fit
-    is passed over for smaller ones after it. A value whose recomputation costs nothing (a
-    reshape, an integer shape) is never kept. 0 keeps nothing (as `nothing_saveable`); 1 keeps
-    about what no remat holds. The pick depends on the region's ops alone (ties go to the
-    earlier op), so the same model always keeps the same values, and `print_saved_residuals`
-    names each kept value with its FLOPs per byte. The FLOP count is per op: it ignores that
-    keeping a value can also spare recomputing what only it needed.
+    FLOPs per byte kept (masks first, at a bit a value, then matrix products, then elementwise
+    work) are kept in that order while their bytes stay within `fraction` of the whole; a value
+    that does not fit is passed over for smaller ones after it. A value whose recomputation
+    costs nothing (a reshape, an integer shape) is never kept. 0 keeps nothing (as
+    `nothing_saveable`); 1 keeps about what no remat holds. The pick depends on the region's ops
+    alone (ties go to the earlier op), so the same model always keeps the same values, and
+    `print_saved_residuals` names each kept value with its FLOPs per byte. The FLOP count is per
+    op: it ignores that keeping a value can also spare recomputing what only it needed.
 
     Unlike the other policies it decides per region, not per op: a region calls `select` once
     its forward pass is recorded.
