@@ -159,6 +159,14 @@ def define_budget_flags(memory_budget_help: str) -> None:
         "Also search the memory-budget policy's fraction that fits (budget:F), by bisection "
         "on XLA's plan.",
     )
+    flags.DEFINE_integer(
+        "compile_processes",
+        1,
+        "Processes that read XLA's plans at once (the budget search in one of them). Each holds "
+        "the weights and optimizer state in host memory: raise it when the host has that much "
+        "memory and cores to spare.",
+        lower_bound=1,
+    )
 
 
 def first_line(error: BaseException | str) -> str:

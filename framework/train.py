@@ -142,6 +142,7 @@ def resolve_auto_policy(
             safety_margin=FLAGS.safety_margin,
             measure=FLAGS.measure,
             search_budget=FLAGS.search_budget,
+            compile_processes=FLAGS.compile_processes,
         )
     except planner.ConfigError as error:
         raise UsageError(str(error)) from None

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from framework import planner
-from framework.planner import Measurement
+from framework.planner import Measurement, measurement
 from tests.subprocesses import REPO_DIR, child_env
 
 pytestmark = pytest.mark.slow  # subprocesses: the full tier only
@@ -174,6 +174,7 @@ def test_compile_only_plans_from_xlas_plan_and_finds_the_budget_fraction(tight_p
         *TINY,
         POLICIES,
         "--measure=compile",
+        "--compile_processes=2",  # the search in a process of its own, beside the policies'
         "--safety_margin=0",
         f"--memory_budget={usable}",
         f"--model_dir={tmp_path}",
@@ -190,12 +191,36 @@ def test_compile_only_plans_from_xlas_plan_and_finds_the_budget_fraction(tight_p
     )
     assert c_full.step_flops > c_none.step_flops > 0  # the recomputation's products
     assert "~" in result.stdout and "PICK" in result.stdout
+    # The search ran in a process of its own: the fraction found fits (on this tiny model
+    # budget:1 already does; the bisection below it is tested on its own below).
     fraction = float(found.policy.removeprefix("budget:"))
-    assert 0 < fraction < 1 and found.compiled_step_bytes <= usable, found
+    assert 0 < fraction <= 1 and found.compiled_step_bytes <= usable, found
     # The budget keeps products that full remat recomputes: fewer FLOPs, counted in XLA's
     # optimised program (its unoptimised one holds every policy's whole recomputation).
-    assert c_none.step_flops < found.step_flops < c_full.step_flops
+    assert c_none.step_flops <= found.step_flops < c_full.step_flops
+    # One peak FLOP/s for every estimate, whichever process measured it.
+    assert c_none.peak_flops == c_full.peak_flops == found.peak_flops
     assert plan_json["pick"]["policy"] in (found.policy, "nothing_saveable")
+
+
+def test_the_budget_search_finds_the_largest_fraction_that_fits_in_few_compilations():
+    compiled = []
+
+    def compile_one(policy, batch_size):  # XLA's plan grows with the fraction, in steps
+        compiled.append(policy)
+        fraction = float(policy.removeprefix("budget:"))
+        return Measurement(
+            policy, batch_size, compiled_peak_bytes=1000 + int(1000 * fraction), state_bytes=0
+        )
+
+    found = measurement._search_budget(compile_one, 1700, 8)
+    assert compiled[0] == "budget:1" and len(compiled) == 1 + measurement.BUDGET_SEARCH_STEPS
+    assert 0.7 - 1 / 2**measurement.BUDGET_SEARCH_STEPS < float(found.policy[7:]) <= 0.7
+    compiled.clear()
+    assert measurement._search_budget(compile_one, 2000, 8).policy == "budget:1"
+    assert compiled == ["budget:1"]  # it fits whole: one compilation
+    compiled.clear()
+    assert measurement._search_budget(compile_one, 900, 8).policy == "budget:0"  # nothing fits
 
 
 def step(policy: str, batch: int, seconds: float, peak: int) -> Measurement:

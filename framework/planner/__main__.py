@@ -80,6 +80,7 @@ def main(argv: Sequence[str]) -> int:
             tie_tolerance=FLAGS.tie_tolerance,
             measure=FLAGS.measure,
             search_budget=FLAGS.search_budget,
+            compile_processes=FLAGS.compile_processes,
         )
     except planner.ConfigError as error:
         raise UsageError(str(error)) from None

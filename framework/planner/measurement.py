@@ -220,22 +220,22 @@ def _state_bytes(optimizer) -> int:
 
 
 def measure_compiled(spec: dict):
-    """Yields a compile-only Measurement per (batch size, policy) of `spec`, then (with
-    `spec["budget_search"]`) the largest memory-budget fraction whose plan fits those bytes.
-    All in this process: the trainer is built once, with each policy set on its model in turn."""
+    """Yields a compile-only Measurement per (policy, batch size) in `spec["combinations"]`,
+    then (with `spec["budget_search"]`) the largest memory-budget fraction whose plan fits those
+    bytes at `spec["search_batch_size"]`. All in this process: the trainer is built once, with
+    each policy set on its model in turn."""
     import tensorflow as tf
 
     from framework import cli, flops, memory, remat, tf_internals, xla
     from framework.trainer import Trainer
 
-    policies, batch_sizes = spec["policies"], spec["batch_sizes"]
+    combinations = [tuple(c) for c in spec["combinations"]]
     try:
         cli.parse_gin(spec["files"], spec["bindings"], spec["search_paths"])
         trainer = Trainer(None, remat_policy=None, count_flops=False)
     except Exception as error:  # noqa: BLE001 (any failure to build is the config's)
-        for batch_size in batch_sizes:
-            for policy in policies:
-                yield Measurement(policy, batch_size, error=_reason(error), stage=CONFIG_STAGE)
+        for policy, batch_size in combinations:
+            yield Measurement(policy, batch_size, error=_reason(error), stage=CONFIG_STAGE)
         return
     state = _state_bytes(trainer.optimizer)
     peak, _ = trainer.runtime.peak_flops_per_device(trainer.strategy)
@@ -276,17 +276,19 @@ def measure_compiled(spec: dict):
             xla_flags=xla.current_flags(),
         )
 
-    for batch_size in batch_sizes:
-        for policy in policies:
-            yield compile_one(policy, batch_size)
+    for policy, batch_size in combinations:
+        yield compile_one(policy, batch_size)
     usable = spec.get("budget_search")
     if usable:
-        yield from _search_budget(compile_one, usable, batch_sizes[-1])
+        yield _search_budget(compile_one, usable, spec["search_batch_size"])
 
 
-def _search_budget(compile_one, usable_bytes: int, batch_size: int | None):
-    """Bisects the memory-budget fraction on XLA's plan: yields the largest fraction found
-    whose compiled step fits `usable_bytes` (or the failure at fraction 0)."""
+def _search_budget(compile_one, usable_bytes: int, batch_size: int | None) -> Measurement:
+    """The largest memory-budget fraction whose compiled step fits `usable_bytes`, by XLA's
+    plan: 1 when it fits (one compilation), else bisected (or the failure at fraction 0)."""
+    whole = compile_one("budget:1", batch_size)
+    if whole.ok and whole.compiled_step_bytes <= usable_bytes:
+        return whole
     low, high, best = 0.0, 1.0, None
     for _ in range(BUDGET_SEARCH_STEPS):
         middle = (low + high) / 2
@@ -295,9 +297,7 @@ def _search_budget(compile_one, usable_bytes: int, batch_size: int | None):
             low, best = middle, result
         else:
             high = middle
-    if best is None:
-        best = compile_one("budget:0", batch_size)
-    yield best
+    return best if best is not None else compile_one("budget:0", batch_size)
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ and a combination that runs out of memory or crashes must take nothing else down
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -104,29 +105,52 @@ def compile_combinations(
     batch_sizes: Sequence[int | None],
     budget_search: int | None,
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    processes: int = 1,
 ) -> list[Measurement]:
-    """XLA's plan of every combination, in one fresh process (see `measurement`), then the
-    memory-budget fraction that fits `budget_search` bytes when given."""
-    spec = {
+    """XLA's plan of every combination, then the memory-budget fraction that fits
+    `budget_search` bytes when given, in the order listed (the fraction last).
+
+    One fresh process compiles them all in turn (see `measurement`), or `processes` at once:
+    the search (up to `BUDGET_SEARCH_STEPS` compilations, one after the other) in a process of
+    its own and the combinations shared round-robin by the others. Each process builds the
+    weights and the optimizer state in host memory, so more processes need that much more.
+    """
+    combinations = [(p, b) for b in batch_sizes for p in policies]
+    base = {
         "files": list(config.files),
         "bindings": list(config.bindings),
         "search_paths": list(config.search_paths),
         "measure": COMPILE,
-        "policies": list(policies),
-        "batch_sizes": list(batch_sizes),
-        "budget_search": budget_search,
+        "search_batch_size": batch_sizes[-1],
     }
-    results, failure = _child(spec, timeout)
-    expected = len(policies) * len(batch_sizes) + (1 if budget_search else 0)
-    if failure and len(results) < expected:
-        done = {(m.policy, m.batch_size) for m in results}
-        results += [
-            Measurement(p, b, error=failure, stage=RUN_STAGE, measure=COMPILE)
-            for b in batch_sizes
-            for p in policies
-            if (p, b) not in done
-        ]
-    return results
+    searching = processes > 1 and budget_search
+    groups = max(1, min(processes - (1 if searching else 0), len(combinations)))
+    specs = [
+        {**base, "combinations": combinations[i::groups], "budget_search": None}
+        for i in range(groups)
+    ]
+    if searching:
+        specs.append({**base, "combinations": [], "budget_search": budget_search})
+    else:
+        specs[-1]["budget_search"] = budget_search
+    with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
+        outputs = list(pool.map(lambda spec: _child(spec, timeout), specs))
+    found: dict[tuple[str, int | None], Measurement] = {}
+    searched = []
+    for spec, (results, failure) in zip(specs, outputs, strict=True):
+        asked = [tuple(c) for c in spec["combinations"]]
+        for i, combination in enumerate(asked):
+            found[combination] = (
+                results[i]
+                if i < len(results)
+                else Measurement(*combination, error=failure, stage=RUN_STAGE, measure=COMPILE)
+            )
+        searched += results[len(asked) :]
+    results = [found[c] for c in combinations] + searched
+    # Each process measured the CPU's peak FLOP/s for itself (the others competing for the cores):
+    # the highest is the least disturbed, and one peak for all keeps the estimates comparable.
+    peak = max((m.peak_flops for m in results if m.peak_flops), default=None)
+    return [dataclasses.replace(m, peak_flops=peak) if m.peak_flops else m for m in results]
 
 
 def host_available_bytes() -> int | None:
@@ -152,12 +176,14 @@ def make_plan(
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
     measure: str = "auto",
     search_budget: bool = True,
+    compile_processes: int = 1,
 ) -> Plan:
     """Plans every combination and picks one (see `choose`). `None` as a batch size keeps the
     config's own.
 
-    First XLA's plan of every combination is read in one process (`compile_combinations`), with
-    the memory-budget fraction that fits when `search_budget`. With `measure` "compile" that is
+    First XLA's plan of every combination is read (`compile_combinations`, in
+    `compile_processes` processes), with the memory-budget fraction that fits when
+    `search_budget`. With `measure` "compile" that is
     the plan. With "run" every combination (the fraction found included) then runs, one process
     at a time (they would skew each other's times); "auto" runs them when XLA's plan of the
     largest fits the host (`HOST_FRACTION` of its available memory), else plans from XLA alone.
@@ -175,7 +201,12 @@ def make_plan(
     if measure != RUN or search_budget:
         logging.info("plan: reading XLA's plan of every combination (nothing runs)")
         compiled = compile_combinations(
-            config, policies, batch_sizes, usable if search_budget else None, timeout
+            config,
+            policies,
+            batch_sizes,
+            usable if search_budget else None,
+            timeout,
+            compile_processes,
         )
     if compiled and compiled[0].stage == CONFIG_STAGE:
         raise ConfigError(f"cannot build the run: {compiled[0].error}")
