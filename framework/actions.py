@@ -137,6 +137,33 @@ class LogProgress:
         )
 
 
+class WatchMemoryBudget:
+    """Puts the measured peak beside the budget the remat policy was picked for (`Trainer.
+    remat_policy = "auto"`): logged at the first loop and whenever the peak grows, and a warning
+    when a loop's peak is over the budget, since the plan then did not hold on this device (it
+    was read from XLA's plan, or memory outside the step was in use)."""
+
+    def __init__(self, budget_bytes: int, planned: str):
+        self.budget_bytes = budget_bytes
+        self.planned = planned
+        self._highest = 0.0
+
+    def __call__(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        peak = metrics.get("peak_memory_mib")
+        if peak is None or peak <= self._highest:
+            return
+        self._highest = peak
+        budget = self.budget_bytes / 2**20
+        line = (
+            f"step {trainer.step}: measured peak {peak:.0f} MiB, {peak / budget:.0%} of the "
+            f"{budget:.0f} MiB budget (the plan: {self.planned})"
+        )
+        if peak > budget:
+            logging.warning("%s: OVER the budget; plan again with a larger --safety_margin", line)
+        else:
+            logging.info("%s", line)
+
+
 class SaveCheckpoints:
     """Saves a checkpoint every `interval` steps (the loop also saves when it ends)."""
 

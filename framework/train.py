@@ -113,11 +113,13 @@ def out_of_resources(error: Exception, model_dir: str) -> str | None:
 
 def resolve_auto_policy(
     settings_class: type, files: Sequence[str], bindings: Sequence[str], model_dir: str
-) -> None:
-    """Replaces `Trainer.remat_policy = "auto"` by the planner's pick for --memory_budget.
+):
+    """Replaces `Trainer.remat_policy = "auto"` by the planner's pick for --memory_budget and
+    returns the action that puts the run's measured peak beside the budget (None without auto).
 
     The plan (`plan.json`, `plan.png`) is written to model_dir beside the run, and the pick is
-    bound in gin so that the `config.gin` of the run names the policy it trained with.
+    bound in gin so that the `config.gin` of the run names the policy it trained with. On a CPU
+    the BFC allocator is chosen, so that the run's peak can be measured.
     """
     name = cli.binding_name(settings_class, "remat_policy")
     budget = cli.memory_budget_flag()
@@ -128,10 +130,12 @@ def resolve_auto_policy(
                 f"--memory_budget is only used with {name} = 'auto'; drop it or set "
                 f"--gin.{name}=\"'auto'\""
             )
-        return
+        return None
     if budget is None:
         raise UsageError(f"{name} = 'auto' needs --memory_budget, e.g. 16GiB")
-    from framework import planner
+    from framework import actions, memory, planner
+
+    memory.enable_cpu_bfc_allocator()
 
     config = planner.RunConfig(files, bindings, FLAGS.gin_search_paths)
     try:
@@ -153,6 +157,9 @@ def resolve_auto_policy(
     logging.info("remat policy auto: %s", planner.verdict(plan))
     with gin.unlock_config():
         gin.bind_parameter(name, plan.pick.policy)
+    what = "peak" if plan.pick.measure == "run" else "XLA's plan"
+    planned = f"{plan.pick.label}, {what} {plan.pick.fit_bytes / 2**20:.0f} MiB"
+    return actions.WatchMemoryBudget(budget, planned)
 
 
 def _save_interrupted(run_trainer) -> str:
@@ -174,9 +181,12 @@ def _build(trainer_class: type, model_dir: str | None):
         raise UsageError(f"cannot build the run: {cli.first_line(error)}") from None
 
 
-def _build_and_run(trainer_class: type, model_dir: str) -> dict[str, float]:
-    """Builds the Trainer from the parsed config, records the run, then runs --mode."""
+def _build_and_run(trainer_class: type, model_dir: str, watch=None) -> dict[str, float]:
+    """Builds the Trainer from the parsed config, records the run, then runs --mode (with the
+    `watch` action after the trainer's own, when given)."""
     run_trainer = _build(trainer_class, model_dir)
+    if watch is not None:
+        run_trainer.actions.append(watch)
     # Only now, with the config built: a bad one never replaces an earlier run's record.
     if run_trainer.is_chief:  # one record per cluster
         config = gin.operative_config_str()
@@ -210,9 +220,9 @@ def main(argv: Sequence[str]) -> int:
         print(gin.operative_config_str())
         return 0
     cli.prepare_model_dir(model_dir)
-    resolve_auto_policy(TrainerSettings, files, bindings, model_dir)
+    watch = resolve_auto_policy(TrainerSettings, files, bindings, model_dir)
     try:
-        _build_and_run(Trainer, model_dir)
+        _build_and_run(Trainer, model_dir, watch)
     except PreemptedError as preempted:
         logging.info("%s", preempted)
         return preempted.exit_status

@@ -161,6 +161,10 @@ def test_auto_policy_trains_with_the_pick_under_the_budget(tight_plan, tmp_path)
     peaks = [float(mib) for mib in re.findall(r"peak memory ([\d.]+) MiB", result.stderr)]
     assert len(peaks) == 2, result.stderr[-3000:]  # 4 steps, 2 per loop
     assert max(peaks) * 2**20 < budget, (peaks, budget)
+    # The measured peak beside the budget and the plan.
+    watched = re.search(r"measured peak (\d+) MiB, (\d+)% of the (\d+) MiB budget", result.stderr)
+    assert watched and int(watched[3]) == round(budget / 2**20), result.stderr[-3000:]
+    assert "(the plan: nothing_saveable @ 64, peak" in result.stderr
 
 
 def test_compile_only_plans_from_xlas_plan_and_finds_the_budget_fraction(tight_plan, tmp_path):
