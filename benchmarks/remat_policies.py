@@ -383,6 +383,60 @@ def format_targets(results: list[dict[str, Any]]) -> str:
     return "\n".join(["ViT-B/16 targets (issue 3):", *lines]) if lines else ""
 
 
+def plot(results: list[dict[str, Any]], path: str) -> None:
+    """Memory against time, as ratios to no remat, per model: the named policies as labelled
+    points, the `budget:F` settings as one curve (the trade-off the budget policy offers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in results))
+    figure, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.8), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rows = [r for r in results if r["model"] == model and "error" not in r]
+        base = next((r for r in rows if r["setting"] == "none"), None)
+        if base is None:
+            continue
+
+        def point(r, base=base):
+            return r["temp_bytes"] / base["temp_bytes"], r.get("time_ratio", 1.0)
+
+        budgets = sorted((r for r in rows if is_budget(r["setting"])), key=lambda r: point(r)[0])
+        if budgets:
+            xs, ys = zip(*(point(r) for r in budgets))
+            ax.plot(xs, ys, "o-", color="tab:blue", label="budget:F")
+            for r, x, y in zip(budgets, xs, ys):
+                ax.annotate(
+                    r["setting"][7:],
+                    (x, y),
+                    fontsize=7,
+                    xytext=(3, -10),
+                    textcoords="offset points",
+                    color="tab:blue",
+                )
+        for r in rows:
+            if is_budget(r["setting"]):
+                continue
+            x, y = point(r)
+            ax.scatter(x, y, color="tab:red", zorder=3)
+            ax.annotate(
+                label(r["setting"]).strip("`"),
+                (x, y),
+                fontsize=7,
+                xytext=(4, 4),
+                textcoords="offset points",
+            )
+        ax.set_xlabel("memory: XLA temp bytes / no remat")
+        ax.set_ylabel("step time / no remat")
+        ax.set_title(f"{model}: remat policies and memory budgets")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper right", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def machine() -> str:
     """nproc, CPU model, Python, TensorFlow and Keras versions: what the numbers depend on."""
     cpu = platform.processor() or "unknown CPU"
@@ -438,6 +492,7 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5, quick 2)")
     parser.add_argument("--out", help="also write the report (markdown) to this file")
+    parser.add_argument("--plot", help="also draw memory against time (PNG) to this file")
     parser.add_argument("--quick", action="store_true", help="tiny models, for a smoke test")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -468,6 +523,8 @@ def main() -> None:
             results.append(run_child(model_name, setting, steps, args.quick))
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     write_report(format_report(results, model_names, steps, args.quick, started, loads), args.out)
+    if args.plot:
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,9 @@ def test_remat_policies_quick(tmp_path):
         "--models=stack",
         "--settings=none,budget:0.2",
         f"--out={out}",
+        f"--plot={tmp_path / 'remat_policies.png'}",
     )
+    assert (tmp_path / "remat_policies.png").read_bytes().startswith(b"\x89PNG")
     report = out.read_text()
     assert report.startswith("Command: `python benchmarks/remat_policies.py --quick")
     assert "Machine: " in report and "TensorFlow 2." in report
