@@ -280,6 +280,10 @@ def bound_value(name: str) -> object:
         return None
 
 
+def _not_gin_lookup(record: logging.LogRecord) -> bool:
+    return record.module != "resource_reader"
+
+
 def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str]) -> None:
     """Parses gin files and bindings; a missing file or a bad binding becomes a UsageError.
 
@@ -294,6 +298,9 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Seque
         paths.append(str(found[0]))
     for path in search_paths:  # for `include` lines inside the files
         gin.add_config_file_search_path(path)
+    # An `include` still goes through gin's lookup, which logs `Path not found` at ERROR level for
+    # each place that does not hold the file before the search path that does.
+    logging.getLogger().addFilter(_not_gin_lookup)
     try:
         gin.parse_config_files_and_bindings(paths, bindings, finalize_config=True)
     except (ValueError, SyntaxError, KeyError, TypeError, OSError) as error:

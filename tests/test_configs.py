@@ -33,3 +33,12 @@ def test_config_parses_and_builds_its_model(config):
 
 def test_there_are_configs():
     assert {"quickstart.gin", "vit_b16.gin"} <= {str(c) for c in CONFIGS}
+
+
+def test_includes_resolve_without_gins_not_found_errors(caplog):
+    # vit_b16_scanned.gin includes vit_b16.gin, which includes models/vit_b16.gin: gin's lookup
+    # tries the working directory first and logs an ERROR line for each miss.
+    with caplog.at_level("INFO"):
+        cli.parse_gin(["vit_b16_scanned.gin"], [], [str(cli.CONFIGS_DIR)])
+    assert gin.query_parameter("models.vit_b16.scan_layers") is True
+    assert not [r for r in caplog.records if "Path not found" in r.getMessage()]
