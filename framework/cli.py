@@ -162,7 +162,7 @@ def define_budget_flags(memory_budget_help: str) -> None:
     flags.DEFINE_integer(
         "compile_processes",
         1,
-        "Processes that read XLA's plans at once (the budget search in one of them). Each holds "
+        "Processes that read XLA's plans at once, sharing the combinations. Each holds "
         "the weights and optimizer state in host memory: raise it when the host has that much "
         "memory and cores to spare.",
         lower_bound=1,

@@ -178,7 +178,7 @@ def test_compile_only_plans_from_xlas_plan_and_finds_the_budget_fraction(tight_p
         *TINY,
         POLICIES,
         "--measure=compile",
-        "--compile_processes=2",  # the search in a process of its own, beside the policies'
+        "--compile_processes=2",  # one policy each, the search after the second
         "--safety_margin=0",
         f"--memory_budget={usable}",
         f"--model_dir={tmp_path}",
@@ -195,7 +195,7 @@ def test_compile_only_plans_from_xlas_plan_and_finds_the_budget_fraction(tight_p
     )
     assert c_full.step_flops > c_none.step_flops > 0  # the recomputation's products
     assert "~" in result.stdout and "PICK" in result.stdout
-    # The search ran in a process of its own: the fraction found fits (on this tiny model
+    # The fraction found fits (on this tiny model
     # budget:1 already does; the bisection below it is tested on its own below).
     fraction = float(found.policy.removeprefix("budget:"))
     assert 0 < fraction <= 1 and found.compiled_step_bytes <= usable, found

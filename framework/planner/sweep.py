@@ -110,10 +110,11 @@ def compile_combinations(
     """XLA's plan of every combination, then the memory-budget fraction that fits
     `budget_search` bytes when given, in the order listed (the fraction last).
 
-    One fresh process compiles them all in turn (see `measurement`), or `processes` at once:
-    the search (up to `BUDGET_SEARCH_STEPS` compilations, one after the other) in a process of
-    its own and the combinations shared round-robin by the others. Each process builds the
-    weights and the optimizer state in host memory, so more processes need that much more.
+    One fresh process compiles them all in turn (see `measurement`), or `processes` at once,
+    the combinations shared round-robin and the search (one compilation when `budget:1` fits,
+    else up to `BUDGET_SEARCH_STEPS` more) after the last process's share, which is never the
+    largest. Each process builds the weights and the optimizer state in host memory, so more
+    processes need that much more.
     """
     combinations = [(p, b) for b in batch_sizes for p in policies]
     base = {
@@ -123,16 +124,12 @@ def compile_combinations(
         "measure": COMPILE,
         "search_batch_size": batch_sizes[-1],
     }
-    searching = processes > 1 and budget_search
-    groups = max(1, min(processes - (1 if searching else 0), len(combinations)))
+    groups = max(1, min(processes, len(combinations)))
     specs = [
         {**base, "combinations": combinations[i::groups], "budget_search": None}
         for i in range(groups)
     ]
-    if searching:
-        specs.append({**base, "combinations": [], "budget_search": budget_search})
-    else:
-        specs[-1]["budget_search"] = budget_search
+    specs[-1]["budget_search"] = budget_search
     with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
         outputs = list(pool.map(lambda spec: _child(spec, timeout), specs))
     found: dict[tuple[str, int | None], Measurement] = {}
