@@ -34,7 +34,7 @@ for _model in (
 ):
     gin.external_configurable(_model, module="models")
 
-for _data in (text.TextCorpus, text.text_lm, text.text_mlm):
+for _data in (text.TextCorpus, text.TfdsText, text.TokenRecords, text.text_lm, text.text_mlm):
     gin.external_configurable(_data, module="data")
 
 cross_entropy = gin.external_configurable(losses.cross_entropy, module="losses")

@@ -72,6 +72,27 @@ def indexed_epochs(count: int, seed: int, part: sharding.Share, start_step: int)
     return pipeline_rows(stream, part)
 
 
+def interleaved_files(
+    files: list[str],
+    read: Callable[[tf.Tensor], tf.data.Dataset],
+    seed: int,
+    epoch: tf.Tensor,
+    cycle_length: int,
+) -> tf.data.Dataset:
+    """The records of `files` (`read(path)` each) for one epoch: the files in a permutation drawn
+    from (seed, epoch), `cycle_length` at a time, interleaved record by record, in parallel and
+    in a deterministic order."""
+    order = tf.random.experimental.stateless_shuffle(
+        tf.range(len(files)), seed=tf.stack([tf.cast(seed, tf.int64), tf.cast(epoch, tf.int64)])
+    )
+    return tf.data.Dataset.from_tensor_slices(tf.gather(tf.constant(files), order)).interleave(
+        read,
+        cycle_length=min(cycle_length, len(files)),
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=True,
+    )
+
+
 def block_shuffle(
     records: tf.data.Dataset, block: int, seed: int, epoch: tf.Tensor
 ) -> tf.data.Dataset:

@@ -31,15 +31,35 @@ import tensorflow as tf
 from framework import checks
 from framework.data import image_ops, images, streams
 from framework.data import sharding as sharding_lib
+from framework.files import is_local
 
 
 def list_files(patterns: str | Sequence[str], setting: str) -> list[str]:
-    """The sorted files matching `patterns` (file names or globs, local or gs://)."""
+    """The sorted files matching `patterns` (file names or globs, local or gs://), for the
+    setting named `setting` in errors. Directories a pattern matches are left out (they would
+    fail later, inside tf.data, as "Is a directory"); a pattern matching no file is a ValueError.
+    """
     patterns = [patterns] if isinstance(patterns, str) else list(patterns)
-    files = sorted({file for pattern in patterns for file in tf.io.gfile.glob(pattern)})
-    if not files:
-        raise ValueError(f"{setting} {patterns} matches no files")
-    return files
+    if not patterns:
+        raise ValueError(f"{setting} is empty: give one or more file names or glob patterns")
+    found = set()
+    for pattern in patterns:
+        matches = tf.io.gfile.glob(pattern)
+        if not matches:
+            raise ValueError(f"{setting}: {pattern!r} not found (no file matches it)")
+        # Cloud Storage has no directories, only names: a match ending in '/' stands for one.
+        kept = [
+            path
+            for path in matches
+            if not path.endswith("/") and not (is_local(path) and tf.io.gfile.isdir(path))
+        ]
+        if not kept:
+            raise ValueError(
+                f"{setting}: {pattern!r} is a directory, not a file: name the files in it, "
+                f"e.g. '{pattern.rstrip('/')}/*'"
+            )
+        found.update(kept)
+    return sorted(found)
 
 
 def _check_example(record: bytes, image_key: str, label_key: str, files: list[str]) -> None:
@@ -123,19 +143,12 @@ def tfrecord(
 
     def train(part, start):
         own = files[part.pipeline :: part.pipelines] if read_own else files
-        own_t = tf.constant(own)
         if read_own:
             _first_record(own)
 
         def epoch(number):
-            order = tf.random.experimental.stateless_shuffle(
-                tf.range(len(own)), seed=tf.stack([tf.cast(seed, tf.int64), number])
-            )
-            records = tf.data.Dataset.from_tensor_slices(tf.gather(own_t, order)).interleave(
-                tf.data.TFRecordDataset,
-                cycle_length=min(cycle_length, len(own)),
-                num_parallel_calls=tf.data.AUTOTUNE,
-                deterministic=True,
+            records = streams.interleaved_files(
+                own, tf.data.TFRecordDataset, seed, number, cycle_length
             )
             return streams.block_shuffle(records, shuffle_block, seed, number)
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
+from collections.abc import Callable
 
 import tensorflow as tf
 from tensorflow_text.tools.wordpiece_vocab import wordpiece_tokenizer_learner_lib as learner
@@ -21,20 +23,21 @@ from framework import files
 
 PAD, UNK, BOS, EOS, MASK = "[PAD]", "[UNK]", "[BOS]", "[EOS]", "[MASK]"
 RESERVED_TOKENS = (PAD, UNK, BOS, EOS, MASK)
+# The default bound on the bytes of text a vocabulary is learned from (with a bound on
+# documents): benchmarks/vocab_sample.py measures the time and memory it takes.
+SAMPLE_BYTES = 64 * 2**20
 # Token names a loaded vocabulary may use instead (BERT's vocab.txt has [CLS] and [SEP]).
 ALIASES = {BOS: "[CLS]", EOS: "[SEP]"}
 
 
-def learn_vocab(
-    documents: tf.data.Dataset, vocab_size: int, max_documents: int | None = None
-) -> list[str]:
-    """Learns at most `vocab_size` wordpieces from a dataset of document strings.
+def learn_vocab(documents: tf.data.Dataset, vocab_size: int) -> list[str]:
+    """Learns at most `vocab_size` wordpieces from a dataset of document strings (a bounded
+    sample: `spread_sample`).
 
-    Counting runs in tf.data over batches of documents; `max_documents` bounds the sample.
-    Every character of the corpus gets a token, so nothing becomes [UNK] on this corpus.
+    Words are split in tf.data over batches of documents and counted in Python, so memory grows
+    with the distinct words of the sample. Every character of the sample gets a token (up to the
+    learner's 1000 most frequent characters), so nothing of it becomes [UNK].
     """
-    if max_documents:
-        documents = documents.take(max_documents)
     words = documents.batch(256).map(tf.strings.split)
     try:
         counts = learner.count_words(words)
@@ -45,6 +48,52 @@ def learn_vocab(
     vocab = learner.learn(counts, vocab_size, list(RESERVED_TOKENS), lower_thresh=1)
     # The bare suffix marker "##" is in the learner's output but never produced by WordPiece.
     return _fit([token for token in vocab if token != "##"], vocab_size)
+
+
+def within_budget(
+    documents: tf.data.Dataset, max_documents: int | None, max_bytes: int | None
+) -> tf.data.Dataset:
+    """The first of `documents` (strings): at most `max_documents` of them, and up to the one
+    that brings their text to `max_bytes` bytes (None: no bound)."""
+    if max_documents:
+        documents = documents.take(max_documents)
+    if not max_bytes:
+        return documents
+
+    def count(total, document):
+        before = total
+        return total + tf.cast(tf.strings.length(document), tf.int64), (before, document)
+
+    counted = documents.scan(tf.constant(0, tf.int64), count)
+    return counted.take_while(lambda before, _: before < max_bytes).map(lambda _, doc: doc)
+
+
+def spread_sample(
+    parts: int,
+    read: Callable[[tf.Tensor], tf.data.Dataset],
+    max_documents: int | None,
+    max_bytes: int | None,
+    cycle_length: int = 16,
+) -> tf.data.Dataset:
+    """A bounded sample spread over a corpus of `parts` parts (files, sub-splits): the first
+    documents of each part `read(index)`, each part's share of the bounds (1/parts of the
+    documents and of the bytes), `cycle_length` parts read at a time. A large corpus is then
+    learnt from in bounded time and memory, from all of its files rather than the head of the
+    first."""
+
+    def share(total):
+        return None if not total else max(1, math.ceil(total / parts))
+
+    def head(index):
+        return within_budget(read(index), share(max_documents), share(max_bytes))
+
+    sample = tf.data.Dataset.range(parts).interleave(
+        head,
+        cycle_length=min(cycle_length, parts),
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=True,
+    )
+    return within_budget(sample, max_documents, max_bytes)
 
 
 def _fit(vocab: list[str], vocab_size: int) -> list[str]:
@@ -114,16 +163,16 @@ def _cached(path: str, mtime: float) -> tuple[str, ...]:
 
 def build_or_load_vocab(
     vocab_path: str,
-    documents: tf.data.Dataset,
+    documents: Callable[[], tf.data.Dataset],
     vocab_size: int,
-    max_documents: int | None = None,
 ) -> list[str]:
-    """The vocabulary at `vocab_path`; learned from `documents` and saved there if it is missing.
+    """The vocabulary at `vocab_path`; learned from `documents()` (a bounded sample) and saved
+    there if it is missing.
 
     Called once per input pipeline: the first call learns and writes, the others read the file.
     """
     if not tf.io.gfile.exists(vocab_path):
-        vocab = learn_vocab(documents, vocab_size, max_documents)
+        vocab = learn_vocab(documents(), vocab_size)
         save_vocab(vocab, vocab_path)
         logging.info("learned a %d-token vocabulary, saved to %s", len(vocab), vocab_path)
     vocab = list(_cached(vocab_path, tf.io.gfile.stat(vocab_path).mtime_nsec / 1e9))
