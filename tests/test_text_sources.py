@@ -18,6 +18,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from framework import sample, train
 from framework.data import json_lines, text, vocab
 from tests.test_image_sources import train_binary
 
@@ -89,6 +90,9 @@ def test_json_field_decoded_in_the_graph_equals_pythons_json():
     for line, got, problem in zip(lines, texts.numpy(), problems.numpy()):
         assert problem == 0, (line, json_lines.problem_text(problem, "text"))
         assert got == json_lines.expected_text(json.loads(line)["text"]), line
+    cut = [line[: rng.randint(0, len(line.rstrip()) - 1)] for line in lines[:500]]
+    _, problems = json_lines.extract_field(tf.constant([line.encode() for line in cut]), "text")
+    assert problems.numpy().all()  # a line cut short is never taken for text
 
 
 def test_surrogates_and_nested_look_alikes():
@@ -135,10 +139,10 @@ def test_a_bad_json_line_names_its_file_and_line(tmp_path):
     lines[30] = json.dumps({"id": 30, "meta": {"text": "nested only"}})
     path.write_text("\n".join(lines) + "\n")
     documents = text.read_documents(str(path), json_field="text")
-    with pytest.raises(
-        tf.errors.InvalidArgumentError, match=r"part-0.jsonl:31: no top-level field"
-    ):
+    with pytest.raises(tf.errors.InvalidArgumentError) as error:
         list(documents)
+    # `python -m framework.train` reports it as this one line.
+    assert train.bad_data(error.value) == f"bad data: {path}:31: no top-level field 'text'"
     path.write_text('{"text": "fine"}\n{"text": 7}\n')
     with pytest.raises(ValueError, match=r"part-0.jsonl:2: not a JSON object with a string field"):
         text.read_documents(str(path), json_field="text")
@@ -321,8 +325,12 @@ def test_token_ids_out_of_range_are_errors(token_files, tmp_path):
     # Past the records checked at set-up: the check in the graph stops the pipeline.
     late = write_token_records(tmp_path / "late", [[3, 4]] * 70 + [[3, 999]], files=1)
     corpus = records((late, late, None), vocab_size=VOCAB)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"outside \[0, 50\): set"):
+    with pytest.raises(tf.errors.InvalidArgumentError) as error:
         list(corpus.eval_tokens(corpus.vocabulary()))
+    assert train.bad_data(error.value) == (
+        f"bad data: a token id of 'targets' in {tmp_path}/late/part-00... is outside [0, 50): "
+        "set TokenRecords.vocab_size to the tokenizer's size (the id: 999)"
+    )
 
 
 @pytest.mark.parametrize(
@@ -435,5 +443,7 @@ def test_each_text_source_trains_through_the_binary(token_files, tmp_path, caplo
                 documents = list(source.eval_tokens(source.vocabulary()).as_numpy_iterator())
             if name == "lm1b":
                 assert len(documents) == 6 and len(vocab.load_vocab(source.vocab_path)) <= 200
+                # framework.sample finds the vocabulary through the run's config.gin.
+                assert sample.load_run(str(tmp_path / name))[1] == list(source.vocab())
             targets = sum(len(c) - 1 for d in documents for c in _chunks(list(d), 16))
         assert "step 2/2" in log and f"on {targets} targets" in log, (name, log[-2000:])

@@ -33,6 +33,8 @@ import re
 
 import tensorflow as tf
 
+from framework.errors import BAD_DATA
+
 PROBLEMS = (
     "",
     "not valid UTF-8",
@@ -285,6 +287,7 @@ def read_field(path: tf.Tensor, field: str, batch: int = 64) -> tf.data.Dataset:
         worst = tf.argmax(tf.cast(bad, tf.int32))
         where = tf.strings.join(
             [
+                BAD_DATA,
                 path,
                 ":",
                 tf.strings.as_string(numbers[worst]),

@@ -49,6 +49,7 @@ from framework import checks
 from framework.data import json_lines, packing, sharding, streams, tfrecord
 from framework.data import tfds as tfds_lib
 from framework.data import vocab as vocab_lib
+from framework.errors import BAD_DATA
 
 DOCUMENT_UNITS = ("line", "paragraph", "file")
 _HASH_BUCKETS = 10_000
@@ -83,14 +84,21 @@ def read_documents(
 
     `document_per` is "line", "paragraph" (blank-line separated) or "file". With `json_field`
     the files are JSON lines and each line's `json_field` is a document: decoded in the graph
-    (json_lines.py), the first lines of each file checked against Python's `json` here, and a
-    bad line further on stops the pipeline with an error naming file:line.
+    (json_lines.py), the first lines of the first files checked against Python's `json` here,
+    and a bad line further on stops the pipeline with an error naming file:line.
     """
+    paths = _text_files(files, json_field)
+    return tf.data.Dataset.from_tensor_slices(paths).flat_map(
+        _file_reader(document_per, json_field)
+    )
+
+
+def _text_files(files: str | Sequence[str], json_field: str | None) -> list[str]:
+    """The files of `TextCorpus.files`; JSON lines files checked (`check_against_json`)."""
     paths = tfrecord.list_files(files, "TextCorpus.files")
-    read = _file_reader(document_per, json_field)
     if json_field is not None:
         json_lines.check_against_json(paths, json_field)
-    return tf.data.Dataset.from_tensor_slices(paths).flat_map(read)
+    return paths
 
 
 def _paragraphs(text: tf.Tensor) -> tf.data.Dataset:
@@ -250,27 +258,12 @@ class TokenSource(Protocol):
     def sample_tokens(self, vocabulary: Vocabulary) -> tf.data.Dataset: ...
 
 
-def _reads_own(setting: str, choice: str, parts: int, part: sharding.Share) -> bool:
-    """`streams.reads_own` for a source of `parts` files: 'auto' reads own files when there are
-    at least as many as pipelines, and 'read_own' needs that many."""
-    read_own = streams.reads_own(setting, choice, auto=parts >= part.pipelines)
-    if read_own and parts < part.pipelines:
-        raise ValueError(
-            f"{setting} = 'read_own' needs a file per input pipeline: {parts} files, "
-            f"{part.pipelines} pipelines ('read_all' reads them all)"
-        )
-    return read_own
-
-
 def _check_common(source: str, corpus) -> None:
     checks.integer(f"{source}.sequence_length", corpus.sequence_length, minimum=2)
     checks.integer(f"{source}.seed", corpus.seed, minimum=0)
     checks.integer(f"{source}.shuffle_buffer", corpus.shuffle_buffer)
     checks.boolean(f"{source}.log_stats", corpus.log_stats)
-    if corpus.sharding not in streams.SHARDING:
-        raise ValueError(
-            f"{source}.sharding must be one of {streams.SHARDING}, got {corpus.sharding!r}"
-        )
+    streams.check_sharding(f"{source}.sharding", corpus.sharding)
 
 
 def _check_vocab_settings(source: str, corpus) -> None:
@@ -283,6 +276,7 @@ def _check_vocab_settings(source: str, corpus) -> None:
     checks.integer(f"{source}.vocab_size", corpus.vocab_size)
     checks.integer(f"{source}.vocab_documents", corpus.vocab_documents, optional=True)
     checks.integer(f"{source}.vocab_sample_bytes", corpus.vocab_sample_bytes, optional=True)
+    checks.integer(f"{source}.vocab_words", corpus.vocab_words, optional=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,6 +298,8 @@ class TextCorpus:
     vocab_documents, vocab_sample_bytes: the bounds of the sample the vocabulary is learned from:
       at most this many documents and bytes of text, an equal share from each file (its first
       documents), so that the time and memory of learning do not grow with the corpus.
+    vocab_words: the sample's most frequent distinct words the learner is given (None: all):
+      the learner's time grows faster than linearly with them (vocab.MAX_WORDS).
     log_stats: log documents, tokens, unigram entropy and padding share of the eval split and of
       the training sample (one pass over each).
     sharding: 'auto', 'read_own' or 'read_all' (the module docstring).
@@ -324,6 +320,7 @@ class TextCorpus:
     vocab_sample_bytes: int | None = vocab_lib.SAMPLE_BYTES
     sharding: str = "auto"
     cycle_length: int = 16
+    vocab_words: int | None = vocab_lib.MAX_WORDS
 
     def __post_init__(self):
         files = [self.files] if isinstance(self.files, str) else self.files
@@ -344,12 +341,6 @@ class TextCorpus:
                 f"got {self.document_per!r}"
             )
 
-    def _paths(self) -> list[str]:
-        paths = tfrecord.list_files(self.files, "TextCorpus.files")
-        if self.json_field is not None:
-            json_lines.check_against_json(paths, self.json_field)
-        return paths
-
     def documents(self, split: str) -> tf.data.Dataset:
         """The split's documents, as strings, in file order."""
         documents = read_documents(self.files, self.document_per, self.json_field)
@@ -358,7 +349,7 @@ class TextCorpus:
     def sample(self) -> tf.data.Dataset:
         """The training documents the vocabulary is learned from (`vocab_documents`,
         `vocab_sample_bytes`; see `vocab.spread_sample`)."""
-        paths = tf.constant(self._paths())
+        paths = tf.constant(_text_files(self.files, self.json_field))
         read = _file_reader(self.document_per, self.json_field)
 
         def part(index):
@@ -371,7 +362,9 @@ class TextCorpus:
 
     def vocab(self) -> list[str]:
         """The vocabulary at `vocab_path`, learned from `sample()` if missing."""
-        return vocab_lib.build_or_load_vocab(self.vocab_path, self.sample, self.vocab_size)
+        return vocab_lib.build_or_load_vocab(
+            self.vocab_path, self.sample, self.vocab_size, self.vocab_words
+        )
 
     def vocabulary(self) -> Vocabulary:
         return Vocabulary.of(self.vocab())
@@ -382,10 +375,15 @@ class TextCorpus:
         return _tokenized(self.documents(split), make_tokenizer(vocab), vocabulary)
 
     def reads_own(self, part: sharding.Share) -> bool:
-        return _reads_own("TextCorpus.sharding", self.sharding, len(self._paths()), part)
+        return streams.reads_own_files(
+            "TextCorpus.sharding",
+            self.sharding,
+            len(_text_files(self.files, self.json_field)),
+            part,
+        )
 
     def train_epoch(self, vocabulary: Vocabulary, part: sharding.Share, read_own: bool):
-        paths = self._paths()
+        paths = _text_files(self.files, self.json_field)
         own = paths[part.pipeline :: part.pipelines] if read_own else paths
         read, tokenizer = _file_reader(self.document_per, self.json_field), _tokenizer(vocabulary)
 
@@ -439,6 +437,7 @@ class TfdsText:
     vocab_sample_bytes: int | None = vocab_lib.SAMPLE_BYTES
     log_stats: bool = True
     sharding: str = "auto"
+    vocab_words: int | None = vocab_lib.MAX_WORDS
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -473,7 +472,9 @@ class TfdsText:
 
     def vocab(self) -> list[str]:
         """The vocabulary at `vocab_path`, learned from `sample()` if missing."""
-        return vocab_lib.build_or_load_vocab(self.vocab_path, self.sample, self.vocab_size)
+        return vocab_lib.build_or_load_vocab(
+            self.vocab_path, self.sample, self.vocab_size, self.vocab_words
+        )
 
     def vocabulary(self) -> Vocabulary:
         return Vocabulary.of(self.vocab())
@@ -607,8 +608,8 @@ class TokenRecords:
         """serialized records [n] -> ragged int32 ids [n, (tokens)], ids checked in the graph."""
         key, size = self.key, vocabulary.size
         message = (
-            f"a token id of {key!r} in {files[0]}... is outside [0, {size}): set "
-            "TokenRecords.vocab_size to the tokenizer's size; the id:"
+            f"{BAD_DATA}a token id of {key!r} in {files[0]}... is outside [0, {size}): set "
+            "TokenRecords.vocab_size to the tokenizer's size (the id: "
         )
 
         def parse(records):
@@ -617,7 +618,8 @@ class TokenRecords:
             values = ids.flat_values
             valid = tf.reduce_all((values >= 0) & (values < size))
             worst = tf.reduce_max(tf.concat([values, [0]], 0))
-            with tf.control_dependencies([tf.debugging.Assert(valid, [message, worst])]):
+            line = tf.strings.join([message, tf.strings.as_string(worst), ")"])
+            with tf.control_dependencies([tf.debugging.Assert(valid, [line])]):
                 return _with_markers(tf.cast(ids, tf.int32), vocabulary)
 
         return parse
@@ -627,7 +629,9 @@ class TokenRecords:
         return records.batch(batch).map(parse, num_parallel_calls=tf.data.AUTOTUNE).unbatch()
 
     def reads_own(self, part: sharding.Share) -> bool:
-        return _reads_own("TokenRecords.sharding", self.sharding, len(self._files("train")), part)
+        return streams.reads_own_files(
+            "TokenRecords.sharding", self.sharding, len(self._files("train")), part
+        )
 
     def train_epoch(self, vocabulary: Vocabulary, part: sharding.Share, read_own: bool):
         files = self._files("train")

@@ -31,6 +31,7 @@ import tensorflow as tf
 from framework import checks
 from framework.data import image_ops, images, streams
 from framework.data import sharding as sharding_lib
+from framework.errors import BAD_DATA
 from framework.files import is_local
 
 
@@ -111,14 +112,7 @@ def tfrecord(
     checks.integer("data.tfrecord.cycle_length", cycle_length)
     part = sharding_lib.share(global_batch_size, input_context)
     files = list_files(train_files, "data.tfrecord.train_files")
-    read_own = streams.reads_own(
-        "data.tfrecord.sharding", sharding, auto=len(files) >= part.pipelines
-    )
-    if read_own and len(files) < part.pipelines:
-        raise ValueError(
-            f"data.tfrecord.sharding = 'read_own' needs a file per input pipeline: "
-            f"{len(files)} files, {part.pipelines} pipelines ('read_all' reads them all)"
-        )
+    read_own = streams.reads_own_files("data.tfrecord.sharding", sharding, len(files), part)
     if split == "eval":
         files = list_files(eval_files, "data.tfrecord.eval_files")
     _check_example(_first_record(files), image_key, label_key, files)
@@ -134,8 +128,9 @@ def tfrecord(
         label = tf.cast(features[label_key] - label_offset, tf.int32)
         label_range = "negative" if num_classes is None else f"outside [0, {num_classes})"
         message = (
-            f"a label of {files[0]}... minus data.tfrecord.label_offset = {label_offset} is "
-            f"{label_range}: set label_offset (0 for labels from 0) or num_classes"
+            f"{BAD_DATA}a label of {files[0]}... minus data.tfrecord.label_offset = "
+            f"{label_offset} is {label_range}: set label_offset (0 for labels from 0) or "
+            "num_classes"
         )
         valid = label >= 0 if num_classes is None else (label >= 0) & (label < num_classes)
         with tf.control_dependencies([tf.debugging.Assert(valid, [message, label])]):
