@@ -282,6 +282,11 @@ def test_token_records_pack_every_document_once_per_epoch(token_files):
     assert {d for d in expected if len(d) <= 16} <= rows  # whole documents, eos at the end
     resumed = next(iter(text.text_lm("train", global_batch_size=2, corpus=corpus, start_step=7)))
     np.testing.assert_array_equal(resumed[0]["tokens"], batches[7][0]["tokens"])
+    reseeded = text.text_lm(
+        "train", global_batch_size=2, corpus=dataclasses.replace(corpus, seed=1)
+    )
+    other = [i for b in reseeded.take(8) for i in sorted(_first_ids(b))]
+    assert other != seen[: len(other)]  # the order is the seed's
 
 
 def test_token_records_hosts_read_their_own_files(token_files):
@@ -351,6 +356,26 @@ def test_token_record_settings_are_checked(token_files, settings, error, message
                 text.text_lm("train", global_batch_size=2, corpus=records(token_files, **settings))
             )
         )
+
+
+def test_token_records_that_are_not_token_records(token_files, tmp_path):
+    (tmp_path / "notes.txt").write_text("not a TFRecord file\n" * 20)
+    with pytest.raises(ValueError, match=r"notes.txt is not a TFRecord file \(.*\): TokenRecords"):
+        text.text_lm("eval", global_batch_size=2, corpus=records((None, str(tmp_path / "*.txt"))))
+    with tf.io.TFRecordWriter(str(tmp_path / "bytes.tfrecord")) as writer:
+        writer.write(b"\xff\xfe not a protocol buffer")
+    with pytest.raises(ValueError, match=r"bytes.tfrecord, record 1 is not a tf.train.Example"):
+        text.text_lm(
+            "eval", global_batch_size=2, corpus=records((None, str(tmp_path / "bytes.tfrecord")))
+        )
+
+
+def test_token_records_take_their_size_from_a_vocabulary_file(token_files, tmp_path):
+    vocab.save_vocab([f"t{i}" for i in range(200)], str(tmp_path / "vocab.txt"))
+    corpus = records(token_files, vocab_size=None, vocab_path=str(tmp_path / "vocab.txt"))
+    assert corpus.vocabulary().size == 200
+    with pytest.raises(ValueError, match="has 200 tokens, more than vocab_size=150"):
+        dataclasses.replace(corpus, vocab_size=150).vocabulary()
 
 
 def test_masked_lm_on_token_records_needs_a_mask_id(token_files):

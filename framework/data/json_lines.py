@@ -299,7 +299,8 @@ def read_field(path: tf.Tensor, field: str, batch: int = 64) -> tf.data.Dataset:
         with tf.control_dependencies([check]):
             return tf.identity(texts)
 
-    return lines.batch(batch).map(extract).unbatch()
+    batches = lines.batch(batch)
+    return batches.map(extract, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
 
 
 def check_against_json(paths: list[str], field: str, lines: int = 8, files: int = 8) -> None:

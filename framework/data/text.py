@@ -44,6 +44,7 @@ from typing import Protocol
 import numpy as np
 import tensorflow as tf
 import tensorflow_text as tf_text
+from google.protobuf.message import DecodeError
 
 from framework import checks
 from framework.data import json_lines, packing, sharding, streams, tfrecord
@@ -70,9 +71,15 @@ def _file_reader(document_per: str, json_field: str | None):
 
     else:
         raise ValueError(f"document_per must be one of {DOCUMENT_UNITS}, got {document_per!r}")
-    return lambda path: read(path).filter(
-        lambda d: tf.logical_not(tf.strings.regex_full_match(d, r"\s*"))
-    )
+
+    def documents(path):
+        return read(path).filter(_not_blank)
+
+    return documents
+
+
+def _not_blank(document: tf.Tensor) -> tf.Tensor:
+    return tf.logical_not(tf.strings.regex_full_match(document, r"\s*"))
 
 
 def read_documents(
@@ -445,26 +452,27 @@ class TfdsText:
         _check_vocab_settings("TfdsText", self)
         _check_common("TfdsText", self)
 
-    def _texts(self, split: str) -> tf.data.Dataset:
-        """The split's texts in TFDS's order, blank ones dropped."""
+    def _builder(self):
         builder = tfds_lib.builder(self.name, self.data_dir, "TfdsText.name")
         tfds_lib.check_features(builder, {"text_key": self.text_key}, "TfdsText")
-        examples = tfds_lib.as_dataset(builder, split, self.data_dir)
+        return builder
+
+    def _texts(self, split: str, builder=None) -> tf.data.Dataset:
+        """The split's texts in TFDS's order, blank ones dropped."""
+        examples = tfds_lib.as_dataset(builder or self._builder(), split, self.data_dir)
         texts = examples.map(lambda example: example[self.text_key])
-        return texts.filter(lambda d: tf.logical_not(tf.strings.regex_full_match(d, r"\s*")))
+        return texts.filter(_not_blank)
 
     def sample(self) -> tf.data.Dataset:
         """The documents the vocabulary is learned from: the first of each of 16 even
         sub-splits of `train_split`, within `vocab_documents` and `vocab_sample_bytes`."""
         tfds = tfds_lib.import_tfds()
-        parts = tfds.even_splits(self.train_split, n=_SAMPLE_PARTS)
-
-        def share(total):
-            return None if not total else max(1, math.ceil(total / _SAMPLE_PARTS))
-
+        parts, builder = tfds.even_splits(self.train_split, n=_SAMPLE_PARTS), self._builder()
         heads = [
             vocab_lib.within_budget(
-                self._texts(part), share(self.vocab_documents), share(self.vocab_sample_bytes)
+                self._texts(part, builder),
+                vocab_lib.part_share(self.vocab_documents, _SAMPLE_PARTS),
+                vocab_lib.part_share(self.vocab_sample_bytes, _SAMPLE_PARTS),
             )
             for part in parts
         ]
@@ -586,11 +594,18 @@ class TokenRecords:
     def _check_records(self, files: list[str], size: int) -> None:
         """The first records of the first file hold int64 ids under `key`, each below `size`."""
         records = tf.data.TFRecordDataset(files[:1]).take(_CHECKED_RECORDS)
-        for number, record in enumerate(records.as_numpy_iterator(), 1):
+        try:
+            first = list(records.as_numpy_iterator())
+        except tf.errors.DataLossError as error:
+            raise ValueError(
+                f"{files[0]} is not a TFRecord file ({str(error).splitlines()[0][:200]}): "
+                "TokenRecords reads files written by tf.io.TFRecordWriter"
+            ) from None
+        for number, record in enumerate(first, 1):
             where = f"{files[0]}, record {number}"
             try:
                 features = tf.train.Example.FromString(record).features.feature
-            except Exception:  # noqa: BLE001 (protobuf's DecodeError is not importable portably)
+            except DecodeError:
                 raise ValueError(f"{where} is not a tf.train.Example") from None
             if self.key not in features or features[self.key].WhichOneof("kind") != "int64_list":
                 raise ValueError(

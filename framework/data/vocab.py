@@ -76,8 +76,18 @@ def within_budget(
         before = total
         return total + tf.cast(tf.strings.length(document), tf.int64), (before, document)
 
-    counted = documents.scan(tf.constant(0, tf.int64), count)
-    return counted.take_while(lambda before, _: before < max_bytes).map(lambda _, doc: doc)
+    def within(before, _):
+        return before < max_bytes
+
+    def document(_, text):
+        return text
+
+    return documents.scan(tf.constant(0, tf.int64), count).take_while(within).map(document)
+
+
+def part_share(total: int | None, parts: int) -> int | None:
+    """One part's share of a bound (None: no bound), at least 1."""
+    return None if not total else max(1, math.ceil(total / parts))
 
 
 def spread_sample(
@@ -93,11 +103,10 @@ def spread_sample(
     learnt from in bounded time and memory, from all of its files rather than the head of the
     first."""
 
-    def share(total):
-        return None if not total else max(1, math.ceil(total / parts))
-
     def head(index):
-        return within_budget(read(index), share(max_documents), share(max_bytes))
+        return within_budget(
+            read(index), part_share(max_documents, parts), part_share(max_bytes, parts)
+        )
 
     sample = tf.data.Dataset.range(parts).interleave(
         head,
