@@ -44,12 +44,12 @@ def load_run(model_dir: str):
     import tensorflow as tf
 
     from framework import run_model
-    from framework.data import text
+    from framework.data import text, tfds_text
     from framework.data import vocab as vocab_lib
 
     model = run_model.load(model_dir).model
     vocab_path = os.path.join(model_dir, "vocab.txt")
-    for source in (text.TextCorpus, text.TfdsText):  # the run's config holds the one it used
+    for source in (text.TextCorpus, tfds_text.TfdsText):  # the run's config holds the one it used
         try:
             vocab_path = gin.query_parameter(cli.binding_name(source, "vocab_path", module="data"))
             break

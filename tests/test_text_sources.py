@@ -19,7 +19,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from framework import sample, train
-from framework.data import json_lines, text, vocab
+from framework.data import json_lines, text, tfds_text, token_records, vocab
 from tests.test_image_sources import train_binary
 
 # Characters that stress the decoding: escapes, quotes, brackets, non-BMP, lone surrogates.
@@ -194,7 +194,9 @@ def test_the_vocabulary_sample_is_bounded_and_spread_over_every_file(tmp_path):
 
 
 def test_tfds_text_errors_say_what_to_do(tmp_path):
-    corpus = text.TfdsText(name="lm1b", vocab_path=str(tmp_path / "v.txt"), data_dir=str(tmp_path))
+    corpus = tfds_text.TfdsText(
+        name="lm1b", vocab_path=str(tmp_path / "v.txt"), data_dir=str(tmp_path)
+    )
     with pytest.raises(ValueError, match="'lm1b' is not prepared in data_dir"):
         corpus.vocab()
     with tfds.testing.mock_data(num_examples=4):
@@ -245,8 +247,8 @@ def token_files(tmp_path_factory):
     )
 
 
-def records(token_files, **settings) -> text.TokenRecords:
-    return text.TokenRecords(
+def records(token_files, **settings) -> token_records.TokenRecords:
+    return token_records.TokenRecords(
         **{
             "train_files": token_files[0],
             "eval_files": token_files[1],
@@ -457,7 +459,7 @@ def test_each_text_source_trains_through_the_binary(token_files, tmp_path, caplo
                 eval_fraction=0.2,
             )
             if name == "lm1b":
-                source = text.TfdsText(
+                source = tfds_text.TfdsText(
                     name="lm1b",
                     eval_split="test",
                     vocab_path=f"{tmp_path}/lm1b/vocab.txt",

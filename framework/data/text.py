@@ -5,8 +5,9 @@ sources (`TokenSource`), each a frozen dataclass bound in gin as `data.text_lm.c
 
 - `TextCorpus`: the user's text files (plain text, or JSON lines with a text field decoded in the
   graph, json_lines.py), split into train and eval by a hash of each document.
-- `TfdsText`: a text feature of a TensorFlow Datasets data set (lm1b, c4, ...), its own splits.
-- `TokenRecords`: TFRecord files of token ids already tokenized elsewhere (seqio caches, ...).
+- `tfds_text.TfdsText`: a text feature of a TensorFlow Datasets data set (lm1b, c4, ...), its
+  own splits.
+- `token_records.TokenRecords`: TFRecord files of token ids tokenized elsewhere (seqio caches).
 
 The two text sources tokenize with tensorflow-text's WordPiece; the vocabulary is learned once,
 from a bounded sample spread over the corpus, and kept in `vocab_path` (vocab.py): set it inside
@@ -38,19 +39,16 @@ import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_text as tf_text
-from google.protobuf.message import DecodeError
 
 from framework import checks
 from framework.data import json_lines, packing, sharding, streams, tfrecord
-from framework.data import tfds as tfds_lib
 from framework.data import vocab as vocab_lib
-from framework.errors import BAD_DATA
 
 DOCUMENT_UNITS = ("line", "paragraph", "file")
 _HASH_BUCKETS = 10_000
@@ -73,12 +71,13 @@ def _file_reader(document_per: str, json_field: str | None):
         raise ValueError(f"document_per must be one of {DOCUMENT_UNITS}, got {document_per!r}")
 
     def documents(path):
-        return read(path).filter(_not_blank)
+        return read(path).filter(not_blank)
 
     return documents
 
 
-def _not_blank(document: tf.Tensor) -> tf.Tensor:
+def not_blank(document: tf.Tensor) -> tf.Tensor:
+    """Whether a document holds more than whitespace: blank ones would be [BOS] [EOS] only."""
     return tf.logical_not(tf.strings.regex_full_match(document, r"\s*"))
 
 
@@ -193,7 +192,7 @@ class Vocabulary:
         return {name: i for name, i in zip(names, ids) if i is not None}
 
 
-def _with_markers(tokens: tf.RaggedTensor, vocabulary: Vocabulary) -> tf.RaggedTensor:
+def with_markers(tokens: tf.RaggedTensor, vocabulary: Vocabulary) -> tf.RaggedTensor:
     """[BOS] tokens [EOS] of each row, the markers the vocabulary has."""
     rows = tokens.nrows()
     parts = [tf.fill([rows, 1], marker) for marker in (vocabulary.bos,) if marker is not None]
@@ -202,11 +201,16 @@ def _with_markers(tokens: tf.RaggedTensor, vocabulary: Vocabulary) -> tf.RaggedT
     return tf.concat(parts, axis=1) if len(parts) > 1 else tokens
 
 
-def _tokenized(documents, tokenizer, vocabulary: Vocabulary, batch: int = 256):
+def tokenized(
+    documents: tf.data.Dataset,
+    tokenizer: tf_text.FastWordpieceTokenizer,
+    vocabulary: Vocabulary,
+    batch: int = 256,
+) -> tf.data.Dataset:
     """Int32 token vectors [BOS] document [EOS], tokenizing `batch` documents at a time."""
 
     def encode(texts):
-        return _with_markers(tokenize(tokenizer, texts), vocabulary)
+        return with_markers(tokenize(tokenizer, texts), vocabulary)
 
     return documents.batch(batch).map(encode, num_parallel_calls=tf.data.AUTOTUNE).unbatch()
 
@@ -235,7 +239,8 @@ def corpus_stats(tokens: tf.data.Dataset, vocab_size: int) -> dict[str, float]:
 
 
 class TokenSource(Protocol):
-    """What `text_lm` and `text_mlm` read: `TextCorpus`, `TfdsText` or `TokenRecords`.
+    """What `text_lm` and `text_mlm` read: `TextCorpus`, `tfds_text.TfdsText` or
+    `token_records.TokenRecords`.
 
     Each is a frozen (hashable) dataclass with `sequence_length`, `seed`, `shuffle_buffer` and
     `log_stats` settings, and:
@@ -258,14 +263,17 @@ class TokenSource(Protocol):
 
     def reads_own(self, part: sharding.Share) -> bool: ...
 
-    def train_epoch(self, vocabulary: Vocabulary, part: sharding.Share, read_own: bool): ...
+    def train_epoch(
+        self, vocabulary: Vocabulary, part: sharding.Share, read_own: bool
+    ) -> Callable[[tf.Tensor], tf.data.Dataset]: ...
 
     def eval_tokens(self, vocabulary: Vocabulary) -> tf.data.Dataset: ...
 
     def sample_tokens(self, vocabulary: Vocabulary) -> tf.data.Dataset: ...
 
 
-def _check_common(source: str, corpus) -> None:
+def check_common(source: str, corpus: TokenSource) -> None:
+    """The settings every source has, named `{source}.setting` in errors."""
     checks.integer(f"{source}.sequence_length", corpus.sequence_length, minimum=2)
     checks.integer(f"{source}.seed", corpus.seed, minimum=0)
     checks.integer(f"{source}.shuffle_buffer", corpus.shuffle_buffer)
@@ -273,7 +281,7 @@ def _check_common(source: str, corpus) -> None:
     streams.check_sharding(f"{source}.sharding", corpus.sharding)
 
 
-def _check_vocab_settings(source: str, corpus) -> None:
+def check_vocab_settings(source: str, corpus: TokenSource) -> None:
     """The settings of a source that learns a WordPiece vocabulary."""
     if not isinstance(corpus.vocab_path, str):
         raise ValueError(
@@ -338,8 +346,8 @@ class TextCorpus:
             )
         if not isinstance(self.files, str):
             object.__setattr__(self, "files", tuple(self.files))
-        _check_vocab_settings("TextCorpus", self)
-        _check_common("TextCorpus", self)
+        check_vocab_settings("TextCorpus", self)
+        check_common("TextCorpus", self)
         checks.number("TextCorpus.eval_fraction", self.eval_fraction, maximum=1.0)
         checks.integer("TextCorpus.cycle_length", self.cycle_length)
         if self.document_per not in DOCUMENT_UNITS:
@@ -379,7 +387,7 @@ class TextCorpus:
     def tokens(self, split: str, vocab: list[str]) -> tf.data.Dataset:
         """The split's documents as int32 vectors [BOS] ... [EOS], in file order."""
         vocabulary = Vocabulary.of(vocab)
-        return _tokenized(self.documents(split), make_tokenizer(vocab), vocabulary)
+        return tokenized(self.documents(split), make_tokenizer(vocab), vocabulary)
 
     def reads_own(self, part: sharding.Share) -> bool:
         return streams.reads_own_files(
@@ -389,293 +397,34 @@ class TextCorpus:
             part,
         )
 
-    def train_epoch(self, vocabulary: Vocabulary, part: sharding.Share, read_own: bool):
+    def train_epoch(
+        self, vocabulary: Vocabulary, part: sharding.Share, read_own: bool
+    ) -> Callable[[tf.Tensor], tf.data.Dataset]:
         paths = _text_files(self.files, self.json_field)
         own = paths[part.pipeline :: part.pipelines] if read_own else paths
-        read, tokenizer = _file_reader(self.document_per, self.json_field), _tokenizer(vocabulary)
+        read, tokenizer = (
+            _file_reader(self.document_per, self.json_field),
+            tokenizer_for(vocabulary),
+        )
 
         def epoch(number):
             documents = streams.interleaved_files(own, read, self.seed, number, self.cycle_length)
             documents = split_documents(documents, "train", self.eval_fraction)
             documents = streams.block_shuffle(documents, self.shuffle_buffer, self.seed, number)
-            return _tokenized(documents, tokenizer, vocabulary)
+            return tokenized(documents, tokenizer, vocabulary)
 
         return epoch
 
     def eval_tokens(self, vocabulary: Vocabulary) -> tf.data.Dataset:
-        return _tokenized(self.documents("eval"), _tokenizer(vocabulary), vocabulary)
+        return tokenized(self.documents("eval"), tokenizer_for(vocabulary), vocabulary)
 
     def sample_tokens(self, vocabulary: Vocabulary) -> tf.data.Dataset:
-        return _tokenized(self.sample(), _tokenizer(vocabulary), vocabulary)
+        return tokenized(self.sample(), tokenizer_for(vocabulary), vocabulary)
 
 
-def _tokenizer(vocabulary: Vocabulary) -> tf_text.FastWordpieceTokenizer:
+def tokenizer_for(vocabulary: Vocabulary) -> tf_text.FastWordpieceTokenizer:
+    """The WordPiece tokenizer of a text source's vocabulary."""
     return make_tokenizer(list(vocabulary.tokens))
-
-
-@dataclasses.dataclass(frozen=True)
-class TfdsText:
-    """A text feature of a TensorFlow Datasets data set (lm1b, c4, wikipedia, ...), prepared
-    beforehand in `data_dir`: nothing is downloaded (`pip install 'framework[tfds]'`).
-
-    name: the TFDS name, with config and version if wanted ('c4/en:3.1.0').
-    text_key: the feature holding the text ('text' in lm1b and c4).
-    train_split, eval_split: TFDS's own splits (slices too: 'train[:1%]'); no hash split.
-    data_dir: where the data set was prepared (default: ~/tensorflow_datasets; gs:// works).
-    sharding: 'read_own' gives pipeline i of P the i-th of P even sub-splits of `train_split`
-      (`tfds.even_splits`); 'auto' does so with more than one pipeline.
-    The other settings are `TextCorpus`'s; the vocabulary sample takes an equal share from each
-    of 16 even sub-splits of `train_split`. Training reads the split in TFDS's order (shuffled
-    when TFDS prepared it) epoch after epoch, each block of `shuffle_buffer` documents permuted
-    by (seed, epoch, block).
-    """
-
-    name: str
-    vocab_path: str | None = None
-    vocab_size: int = 8192
-    sequence_length: int = 128
-    text_key: str = "text"
-    train_split: str = "train"
-    eval_split: str = "validation"
-    data_dir: str | None = None
-    seed: int = 0
-    shuffle_buffer: int = 10_000
-    vocab_documents: int | None = 100_000
-    vocab_sample_bytes: int | None = vocab_lib.SAMPLE_BYTES
-    log_stats: bool = True
-    sharding: str = "auto"
-    vocab_words: int | None = vocab_lib.MAX_WORDS
-
-    def __post_init__(self):
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"TfdsText.name must name a TFDS data set, got {self.name!r}")
-        _check_vocab_settings("TfdsText", self)
-        _check_common("TfdsText", self)
-
-    def _builder(self):
-        builder = tfds_lib.builder(self.name, self.data_dir, "TfdsText.name")
-        tfds_lib.check_features(builder, {"text_key": self.text_key}, "TfdsText")
-        return builder
-
-    def _texts(self, split: str, builder=None) -> tf.data.Dataset:
-        """The split's texts in TFDS's order, blank ones dropped."""
-        examples = tfds_lib.as_dataset(builder or self._builder(), split, self.data_dir)
-        texts = examples.map(lambda example: example[self.text_key])
-        return texts.filter(_not_blank)
-
-    def sample(self) -> tf.data.Dataset:
-        """The documents the vocabulary is learned from: the first of each of 16 even
-        sub-splits of `train_split`, within `vocab_documents` and `vocab_sample_bytes`."""
-        tfds = tfds_lib.import_tfds()
-        parts, builder = tfds.even_splits(self.train_split, n=_SAMPLE_PARTS), self._builder()
-        heads = [
-            vocab_lib.within_budget(
-                self._texts(part, builder),
-                vocab_lib.part_share(self.vocab_documents, _SAMPLE_PARTS),
-                vocab_lib.part_share(self.vocab_sample_bytes, _SAMPLE_PARTS),
-            )
-            for part in parts
-        ]
-        return functools.reduce(lambda a, b: a.concatenate(b), heads)
-
-    def vocab(self) -> list[str]:
-        """The vocabulary at `vocab_path`, learned from `sample()` if missing."""
-        return vocab_lib.build_or_load_vocab(
-            self.vocab_path, self.sample, self.vocab_size, self.vocab_words
-        )
-
-    def vocabulary(self) -> Vocabulary:
-        return Vocabulary.of(self.vocab())
-
-    def reads_own(self, part: sharding.Share) -> bool:
-        return streams.reads_own("TfdsText.sharding", self.sharding, auto=part.pipelines > 1)
-
-    def train_epoch(self, vocabulary: Vocabulary, part: sharding.Share, read_own: bool):
-        split = self.train_split
-        if read_own and part.pipelines > 1:
-            split = tfds_lib.import_tfds().even_splits(split, n=part.pipelines)[part.pipeline]
-        texts, tokenizer = self._texts(split), _tokenizer(vocabulary)
-
-        def epoch(number):
-            shuffled = streams.block_shuffle(texts, self.shuffle_buffer, self.seed, number)
-            return _tokenized(shuffled, tokenizer, vocabulary)
-
-        return epoch
-
-    def eval_tokens(self, vocabulary: Vocabulary) -> tf.data.Dataset:
-        return _tokenized(self._texts(self.eval_split), _tokenizer(vocabulary), vocabulary)
-
-    def sample_tokens(self, vocabulary: Vocabulary) -> tf.data.Dataset:
-        return _tokenized(self.sample(), _tokenizer(vocabulary), vocabulary)
-
-
-_SAMPLE_PARTS = 16  # TFDS sub-splits a vocabulary sample is spread over
-_STATS_RECORDS = 10_000  # token records in the training sample `log_stats` describes
-_CHECKED_RECORDS = 64  # token records checked at set-up
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenRecords:
-    """TFRecord files of `tf.train.Example`s holding token ids, tokenized elsewhere.
-
-    Each example holds one document's ids as an int64 list under `key`. The default, 'targets',
-    is what seqio's cached tasks (t5x) write for a decoder LM (`seqio_cache_tasks`; their EOS is
-    appended after the cache, so set `eos_id = 1` for T5's vocabulary); Hugging Face exports
-    usually say 'input_ids'. (Megatron-LM writes its own .bin/.idx format, not TFRecords.)
-
-    train_files, eval_files: file names or globs (local or gs://).
-    vocab_size: the number of token ids; every id must be in [0, vocab_size): the first records
-      of the first file are checked at set-up, and every id in the graph (an error naming the
-      key and the files, not a clipped id).
-    vocab_path: instead of or beside vocab_size, the vocabulary file (one token a line): its
-      length is the vocabulary size (at most vocab_size when both are set).
-    pad_id: the id padding rows hold (its value never counts: padding has weight 0).
-    bos_id, eos_id: added before / after each document when set; None when the records hold
-      their own markers (or need none).
-    mask_id: [MASK]'s id, which `text_mlm` needs.
-    sharding, cycle_length, seed, shuffle_buffer, sequence_length, log_stats: as `TextCorpus`.
-    """
-
-    train_files: str | tuple[str, ...]
-    eval_files: str | tuple[str, ...] | None = None
-    vocab_size: int | None = None
-    vocab_path: str | None = None
-    key: str = "targets"
-    sequence_length: int = 128
-    pad_id: int = 0
-    bos_id: int | None = None
-    eos_id: int | None = None
-    mask_id: int | None = None
-    seed: int = 0
-    shuffle_buffer: int = 10_000
-    log_stats: bool = True
-    sharding: str = "auto"
-    cycle_length: int = 16
-
-    def __post_init__(self):
-        for name in ("train_files", "eval_files"):
-            value = getattr(self, name)
-            if isinstance(value, list):
-                object.__setattr__(self, name, tuple(value))
-        checks.integer("TokenRecords.vocab_size", self.vocab_size, optional=True)
-        if self.vocab_size is None and self.vocab_path is None:
-            raise ValueError(
-                "set TokenRecords.vocab_size (the tokenizer's number of ids) or "
-                "TokenRecords.vocab_path (its vocabulary file)"
-            )
-        for name in ("pad_id", "bos_id", "eos_id", "mask_id"):
-            checks.integer(
-                f"TokenRecords.{name}", getattr(self, name), minimum=0, optional=name != "pad_id"
-            )
-        if not isinstance(self.key, str) or not self.key:
-            raise ValueError(f"TokenRecords.key must name a feature, got {self.key!r}")
-        _check_common("TokenRecords", self)
-        checks.integer("TokenRecords.cycle_length", self.cycle_length)
-
-    def vocabulary(self) -> Vocabulary:
-        size = self.vocab_size
-        if self.vocab_path is not None:
-            tokens = vocab_lib.load_vocab(self.vocab_path)
-            if size is not None:
-                vocab_lib.check_fits(tokens, size, self.vocab_path)
-            size = len(tokens)
-        for name in ("pad_id", "bos_id", "eos_id", "mask_id"):
-            value = getattr(self, name)
-            if value is not None and value >= size:
-                raise ValueError(f"TokenRecords.{name} = {value} is not below the {size} ids")
-        return Vocabulary(size, self.pad_id, self.bos_id, self.eos_id, self.mask_id)
-
-    def _files(self, split: str) -> list[str]:
-        if split == "eval" and self.eval_files is None:
-            raise ValueError("set TokenRecords.eval_files to evaluate (file names or globs)")
-        setting = "train_files" if split == "train" else "eval_files"
-        return tfrecord.list_files(getattr(self, setting), f"TokenRecords.{setting}")
-
-    def _check_records(self, files: list[str], size: int) -> None:
-        """The first records of the first file hold int64 ids under `key`, each below `size`."""
-        records = tf.data.TFRecordDataset(files[:1]).take(_CHECKED_RECORDS)
-        try:
-            first = list(records.as_numpy_iterator())
-        except tf.errors.DataLossError as error:
-            raise ValueError(
-                f"{files[0]} is not a TFRecord file ({str(error).splitlines()[0][:200]}): "
-                "TokenRecords reads files written by tf.io.TFRecordWriter"
-            ) from None
-        for number, record in enumerate(first, 1):
-            where = f"{files[0]}, record {number}"
-            try:
-                features = tf.train.Example.FromString(record).features.feature
-            except DecodeError:
-                raise ValueError(f"{where} is not a tf.train.Example") from None
-            if self.key not in features or features[self.key].WhichOneof("kind") != "int64_list":
-                raise ValueError(
-                    f"{where} has no int64 feature {self.key!r} (TokenRecords.key); its "
-                    f"features: {sorted(features)}"
-                )
-            ids = features[self.key].int64_list.value
-            if ids and not 0 <= min(ids) <= max(ids) < size:
-                raise ValueError(
-                    f"{where}: token id {max(ids) if max(ids) >= size else min(ids)} is outside "
-                    f"[0, {size}): set TokenRecords.vocab_size to the tokenizer's size"
-                )
-
-    def _parse(self, files: list[str], vocabulary: Vocabulary):
-        """serialized records [n] -> ragged int32 ids [n, (tokens)], ids checked in the graph."""
-        key, size = self.key, vocabulary.size
-        message = (
-            f"{BAD_DATA}a token id of {key!r} in {files[0]}... is outside [0, {size}): set "
-            "TokenRecords.vocab_size to the tokenizer's size (the id: "
-        )
-
-        def parse(records):
-            parsed = tf.io.parse_example(records, {key: tf.io.VarLenFeature(tf.int64)})[key]
-            ids = tf.RaggedTensor.from_sparse(parsed)
-            values = ids.flat_values
-            valid = tf.reduce_all((values >= 0) & (values < size))
-            worst = tf.reduce_max(tf.concat([values, [0]], 0))
-            line = tf.strings.join([message, tf.strings.as_string(worst), ")"])
-            with tf.control_dependencies([tf.debugging.Assert(valid, [line])]):
-                return _with_markers(tf.cast(ids, tf.int32), vocabulary)
-
-        return parse
-
-    def _tokens(self, records: tf.data.Dataset, files, vocabulary, batch: int = 256):
-        parse = self._parse(files, vocabulary)
-        return records.batch(batch).map(parse, num_parallel_calls=tf.data.AUTOTUNE).unbatch()
-
-    def reads_own(self, part: sharding.Share) -> bool:
-        return streams.reads_own_files(
-            "TokenRecords.sharding", self.sharding, len(self._files("train")), part
-        )
-
-    def train_epoch(self, vocabulary: Vocabulary, part: sharding.Share, read_own: bool):
-        files = self._files("train")
-        self._check_records(files, vocabulary.size)
-        own = files[part.pipeline :: part.pipelines] if read_own else files
-
-        def epoch(number):
-            records = streams.interleaved_files(
-                own, tf.data.TFRecordDataset, self.seed, number, self.cycle_length
-            )
-            records = streams.block_shuffle(records, self.shuffle_buffer, self.seed, number)
-            return self._tokens(records, files, vocabulary)
-
-        return epoch
-
-    def eval_tokens(self, vocabulary: Vocabulary) -> tf.data.Dataset:
-        files = self._files("eval")
-        self._check_records(files, vocabulary.size)
-        return self._tokens(tf.data.TFRecordDataset(files), files, vocabulary)
-
-    def sample_tokens(self, vocabulary: Vocabulary) -> tf.data.Dataset:
-        files = tf.constant(self._files("train"))
-        records = vocab_lib.spread_sample(
-            int(files.shape[0]),
-            lambda index: tf.data.TFRecordDataset(tf.gather(files, index)),
-            _STATS_RECORDS,
-            None,
-        )
-        return self._tokens(records, self._files("train"), vocabulary)
 
 
 def _check_not_empty(documents: tf.data.Dataset, split: str, corpus) -> None:
