@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import gin
 
 from framework import losses, optim, remat
-from framework.data import images, synthetic_images, text, tfds, tfrecord
+from framework.data import images, synthetic_images, text, tfds, tfds_text, tfrecord, token_records
 from framework.models import language, vit
 
 for _model in (vit.VisionTransformer, vit.vit_tiny, vit.vit_small, vit.vit_b16, vit.vit_l16):
@@ -34,7 +34,13 @@ for _model in (
 ):
     gin.external_configurable(_model, module="models")
 
-for _data in (text.TextCorpus, text.text_lm, text.text_mlm):
+for _data in (
+    text.TextCorpus,
+    tfds_text.TfdsText,
+    token_records.TokenRecords,
+    text.text_lm,
+    text.text_mlm,
+):
     gin.external_configurable(_data, module="data")
 
 cross_entropy = gin.external_configurable(losses.cross_entropy, module="losses")

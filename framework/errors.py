@@ -5,6 +5,11 @@
 
 from __future__ import annotations
 
+# Begins the message of a check on the data that runs inside tf.data (a malformed JSON line, a
+# token id out of range, a label out of range): TensorFlow raises it as an InvalidArgumentError,
+# which `framework.train` reports as this one line.
+BAD_DATA = "bad data: "
+
 
 class UserError(Exception):
     """A problem the user can fix; reported in one line."""

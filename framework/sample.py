@@ -3,7 +3,8 @@
 The model is rebuilt the way the run built it, from the run's own `DIR/config.gin`, with the
 weights of the newest checkpoint in `DIR/checkpoints` (`framework.run_model`, which refuses the
 config's `import` and `include` lines rather than run them). Text is tokenized with the run's
-vocabulary: `data.TextCorpus.vocab_path` when the config records it, else `DIR/vocab.txt`.
+vocabulary: `data.TextCorpus.vocab_path` or `data.TfdsText.vocab_path` when the config records
+it, else `DIR/vocab.txt`.
 
 Each new token costs one forward pass over a fixed window of `max_length` tokens (one compiled
 program, no retracing); longer contexts keep their last `max_length` tokens.
@@ -43,16 +44,17 @@ def load_run(model_dir: str):
     import tensorflow as tf
 
     from framework import run_model
-    from framework.data import text
+    from framework.data import text, tfds_text
     from framework.data import vocab as vocab_lib
 
     model = run_model.load(model_dir).model
-    try:
-        vocab_path = gin.query_parameter(
-            cli.binding_name(text.TextCorpus, "vocab_path", module="data")
-        )
-    except ValueError:
-        vocab_path = os.path.join(model_dir, "vocab.txt")
+    vocab_path = os.path.join(model_dir, "vocab.txt")
+    for source in (text.TextCorpus, tfds_text.TfdsText):  # the run's config holds the one it used
+        try:
+            vocab_path = gin.query_parameter(cli.binding_name(source, "vocab_path", module="data"))
+            break
+        except ValueError:
+            continue
     if not tf.io.gfile.exists(vocab_path):
         raise SampleError(f"the run's vocabulary {vocab_path} is missing")
     return model, vocab_lib.load_vocab(vocab_path)

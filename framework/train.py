@@ -30,7 +30,7 @@ import gin
 from absl import flags
 
 from framework import cli
-from framework.errors import Interrupted, UsageError
+from framework.errors import BAD_DATA, Interrupted, UsageError
 
 AUTO_POLICY = "auto"
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -78,6 +78,25 @@ def check_required_bindings(settings_class: type) -> None:
             f"the config does not set {' or '.join(missing)}: is a gin file empty? "
             "framework/configs/quickstart.gin shows a complete one"
         )
+
+
+def bad_data(error: Exception) -> str | None:
+    """The line of a check on the data that failed inside tf.data (`errors.BAD_DATA` begins
+    it), without TensorFlow's brackets and graph nodes; None for any other error."""
+    import tensorflow as tf
+
+    text = str(error)
+    if not isinstance(error, tf.errors.InvalidArgumentError) or BAD_DATA not in text:
+        return None
+    line = text[text.index(BAD_DATA) :].splitlines()[0].rsplit("]", 1)[0]
+    # tf.debugging.Assert prints its strings C-escaped: \' for ', octal bytes for non-ASCII.
+    escapes = {b"n": b"\n", b"t": b"\t", b"r": b"\r"}
+
+    def unescape(match):
+        code = match.group(1)
+        return bytes([int(code, 8)]) if len(code) == 3 else escapes.get(code, code)
+
+    return re.sub(rb"\\([0-7]{3}|.)", unescape, line.encode()).decode("utf-8", "replace")
 
 
 def out_of_resources(error: Exception, model_dir: str) -> str | None:
@@ -227,7 +246,7 @@ def main(argv: Sequence[str]) -> int:
         logging.info("%s", preempted)
         return preempted.exit_status
     except (OSError, tf.errors.OpError) as error:
-        message = out_of_resources(error, model_dir)
+        message = out_of_resources(error, model_dir) or bad_data(error)
         if message is None:
             raise
         raise UsageError(message) from None

@@ -133,3 +133,11 @@ def test_parity_timm_quick():
     report = run_benchmark("parity_timm.py", "--quick").stdout
     rows = [line for line in report.splitlines() if line.startswith("| ") and "case" not in line]
     assert len(rows) == 3 and all(row.endswith("| yes |") for row in rows), report
+
+
+def test_vocab_sample_quick():
+    report = run_benchmark("vocab_sample.py", "--quick").stdout
+    assert re.search(r"\| corpus \| 0.2 MB of JSON lines in 2 files", report), report
+    assert re.search(r"\| vocabulary \| [\d,]+ tokens \(vocab_size 1,000\) \|", report), report
+    assert re.search(r"\| time to learn \| [\d.]+ s", report), report
+    assert re.search(r"\| peak memory \| \+\d+ MiB", report), report

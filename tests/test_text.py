@@ -1,12 +1,13 @@
 """The text pipeline: tokenizer round trip, packing, LM and MLM examples, splits, bad input."""
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from framework.data import packing, text, vocab
+from framework.data import packing, text, tfrecord, vocab
 
 WORDS = (
     "the model trains on packed rows of tokens while attention stays inside each document and "
@@ -103,7 +104,8 @@ def _pipeline(index: int, count: int) -> tf.distribute.InputContext:
     return tf.distribute.InputContext(count, index, num_replicas_in_sync=count)
 
 
-def test_pipelines_split_each_global_batch(corpus):
+def test_pipelines_reading_everything_split_each_global_batch(corpus):
+    corpus = dataclasses.replace(corpus, sharding="read_all")
     whole = next(iter(text.text_lm("train", global_batch_size=4, corpus=corpus)))[0][
         "tokens"
     ].numpy()
@@ -165,9 +167,9 @@ def test_missing_file_is_one_clear_error(tmp_path):
 def test_a_directory_in_files_is_one_clear_error(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "b.txt").write_text("a document\n")
-    with pytest.raises(ValueError, match=r"'.*docs' in files is a directory.*docs/\*\.txt"):
-        text.list_files([str(tmp_path / "docs")])
-    assert text.list_files(str(tmp_path / "*")) == [str(tmp_path / "b.txt")]
+    with pytest.raises(ValueError, match=r"TextCorpus.files: '.*docs' is a directory.*docs/\*'"):
+        tfrecord.list_files([str(tmp_path / "docs")], "TextCorpus.files")
+    assert tfrecord.list_files(str(tmp_path / "*"), "TextCorpus.files") == [str(tmp_path / "b.txt")]
 
 
 @pytest.mark.parametrize(
@@ -216,5 +218,7 @@ def test_json_lines_field(tmp_path):
     ]
     assert docs == ['first "doc"\nline', "second"]
     path.write_text('{"body": "no text field"}\n')
-    with pytest.raises(ValueError, match="docs.jsonl:1: not a JSON object with a 'text' field"):
+    with pytest.raises(
+        ValueError, match="docs.jsonl:1: not a JSON object with a string field 'text'"
+    ):
         text.read_documents(str(path), json_field="text")

@@ -138,7 +138,7 @@ def test_bad_input_is_one_line_and_leaves_the_model_dir_alone(args, message, tmp
                 "--gin.data.TextCorpus.vocab_path='{tmp}/vocab.txt'",
                 "--model_dir={tmp}/lm",
             ],
-            "'docs' in files is a directory",
+            "TextCorpus.files: 'docs' is a directory",
         ),
         (  # no network here (or no such bucket): one line that says what to check
             ["--model_dir=gs://framework-tests-no-such-bucket/run"],

@@ -28,12 +28,29 @@ ENDLESS = 2**62
 SHARDING = ("auto", "read_own", "read_all")
 
 
+def check_sharding(setting: str, sharding: object) -> None:
+    """A source's `sharding` setting (named `setting` in errors) is one of SHARDING."""
+    if sharding not in SHARDING:
+        raise ValueError(f"{setting} must be one of {SHARDING}, got {sharding!r}")
+
+
 def reads_own(setting: str, sharding: str, auto: bool) -> bool:
     """Whether each pipeline reads its own part of the data, for a source's `sharding` setting
     (named `setting` in errors); `auto` is the source's choice for 'auto'."""
-    if sharding not in SHARDING:
-        raise ValueError(f"{setting} must be one of {SHARDING}, got {sharding!r}")
+    check_sharding(setting, sharding)
     return sharding == "read_own" or (sharding == "auto" and auto)
+
+
+def reads_own_files(setting: str, choice: str, files: int, part: sharding.Share) -> bool:
+    """`reads_own` for a source of `files` files and the `choice` of its `setting`: 'auto'
+    reads own files when there are at least as many as pipelines; 'read_own' needs that many."""
+    own = reads_own(setting, choice, auto=files >= part.pipelines)
+    if own and files < part.pipelines:
+        raise ValueError(
+            f"{setting} = 'read_own' needs a file per input pipeline: {files} files, "
+            f"{part.pipelines} pipelines ('read_all' reads them all)"
+        )
+    return own
 
 
 def pipeline_rows(dataset: tf.data.Dataset, part: sharding.Share) -> tf.data.Dataset:
@@ -70,6 +87,27 @@ def indexed_epochs(count: int, seed: int, part: sharding.Share, start_step: int)
 
     stream = positions.map(index, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     return pipeline_rows(stream, part)
+
+
+def interleaved_files(
+    files: list[str],
+    read: Callable[[tf.Tensor], tf.data.Dataset],
+    seed: int,
+    epoch: tf.Tensor,
+    cycle_length: int,
+) -> tf.data.Dataset:
+    """The records of `files` (`read(path)` each) for one epoch: the files in a permutation drawn
+    from (seed, epoch), `cycle_length` at a time, interleaved record by record, in parallel and
+    in a deterministic order."""
+    order = tf.random.experimental.stateless_shuffle(
+        tf.range(len(files)), seed=tf.stack([tf.cast(seed, tf.int64), tf.cast(epoch, tf.int64)])
+    )
+    return tf.data.Dataset.from_tensor_slices(tf.gather(tf.constant(files), order)).interleave(
+        read,
+        cycle_length=min(cycle_length, len(files)),
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=True,
+    )
 
 
 def block_shuffle(

@@ -1,18 +1,34 @@
-"""Text data sets for language models: the user's files, tensorflow-text WordPiece, packed rows.
+"""Language-model data: text or token ids from files or TFDS, packed into rows of tokens.
 
-`text_lm` (decoder LM: predict the next token) and `text_mlm` (BERT masked LM) share one pipeline:
+`text_lm` (decoder LM: predict the next token) and `text_mlm` (BERT masked LM) read any of three
+sources (`TokenSource`), each a frozen dataclass bound in gin as `data.text_lm.corpus`:
 
-    files -> documents -> held-out split by content hash -> shuffle, repeat (train)
-          -> FastWordpieceTokenizer in batches -> [BOS] doc [EOS] -> pack into rows of
-          `sequence_length` (packing.py) -> global batches -> this pipeline's share -> examples
+- `TextCorpus`: the user's text files (plain text, or JSON lines with a text field decoded in the
+  graph, json_lines.py), split into train and eval by a hash of each document.
+- `tfds_text.TfdsText`: a text feature of a TensorFlow Datasets data set (lm1b, c4, ...), its
+  own splits.
+- `token_records.TokenRecords`: TFRecord files of token ids tokenized elsewhere (seqio caches).
 
-Everything after reading is TensorFlow ops inside `tf.data`; only JSON lines are decoded by
-Python's `json`, once per line read. `TextCorpus` holds the configuration; its vocabulary is
-learned once and kept in `vocab_path` (vocab.py): set it inside the run's model directory so
-resuming and `framework.sample` tokenize the same way.
+The two text sources tokenize with tensorflow-text's WordPiece; the vocabulary is learned once,
+from a bounded sample spread over the corpus, and kept in `vocab_path` (vocab.py): set it inside
+the run's model directory so resuming and `framework.sample` tokenize the same way. From there on
+one pipeline, TensorFlow ops inside `tf.data` (no Python per document):
 
-Global step `s` holds rows `[s * G, (s + 1) * G)` of one stream (G is the global batch), whatever
-the number of input pipelines, and a resumed run (`start_step`) continues with the next rows.
+    documents -> [BOS] tokens [EOS] -> pack into rows of `sequence_length` (packing.py)
+      train: epochs, each in an order drawn from (seed, epoch) -> rows of each global step ->
+             this pipeline's rows
+      eval:  the split once, in order -> global batches, the last one padded with empty rows
+
+Global step `s` holds rows `[s * G, (s + 1) * G)` of a stream (G is the global batch), and a
+resumed run (`start_step`) continues with the next rows: the stream is rebuilt and the rows
+before `s` are read, tokenized, packed and dropped (this pipeline's share of them when it reads
+its own files). `sharding` chooses how pipelines (one per host) share the data: 'read_all'
+builds one global stream in every pipeline and keeps its rows of each batch (the same stream
+for any number of hosts); 'read_own' gives pipeline i of P every P-th file (or the i-th TFDS
+sub-split), so each host reads 1/P of the data, and its stream depends on P; 'auto' reads own
+files when there are at least as many as pipelines. Eval is read whole by every pipeline, so
+each example counts once and every replica runs the same steps.
+
 Dynamic masking draws from TensorFlow's seeded random ops, so after a resume the masks differ from
 the ones an uninterrupted run would have drawn (the tokens do not).
 """
@@ -21,16 +37,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import math
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_text as tf_text
 
 from framework import checks
-from framework.data import packing, sharding
+from framework.data import json_lines, packing, sharding, streams, tfrecord
 from framework.data import vocab as vocab_lib
 
 DOCUMENT_UNITS = ("line", "paragraph", "file")
@@ -38,79 +55,61 @@ _HASH_BUCKETS = 10_000
 _PARAGRAPH_BREAK = "\x1e"  # ASCII record separator: a paragraph break, before splitting on it
 
 
-def list_files(files: str | list[str] | tuple[str, ...]) -> list[str]:
-    """Expands glob patterns (local or gs://) to files; directories a pattern matches are left
-    out, and a pattern matching no file (nothing, or only directories) is a ValueError."""
-    patterns = [files] if isinstance(files, str) else list(files)
-    if not patterns:
-        raise ValueError("no text files given: set `files` to one or more paths or patterns")
-    found = []
-    for pattern in patterns:
-        matches = sorted(tf.io.gfile.glob(pattern))
-        if not matches:
-            raise ValueError(f"text file {pattern!r} not found (no file matches it)")
-        # A directory would only fail later, inside tf.data, as "Is a directory".
-        matches = [path for path in matches if not tf.io.gfile.isdir(path)]
-        if not matches:
-            raise ValueError(
-                f"{pattern!r} in files is a directory, not a text file: name the files in it, "
-                f"e.g. '{pattern.rstrip('/')}/*.txt'"
-            )
-        found.extend(matches)
-    return found
+def _file_reader(document_per: str, json_field: str | None):
+    """path -> the documents of one text file (strings, blank ones dropped), in graph ops."""
+    if json_field is not None:
+        read = functools.partial(json_lines.read_field, field=json_field)
+    elif document_per == "line":
+        read = tf.data.TextLineDataset
+    elif document_per in ("paragraph", "file"):
+
+        def read(path):
+            whole = tf.data.Dataset.from_tensors(tf.io.read_file(path))
+            return whole.flat_map(_paragraphs) if document_per == "paragraph" else whole
+
+    else:
+        raise ValueError(f"document_per must be one of {DOCUMENT_UNITS}, got {document_per!r}")
+
+    def documents(path):
+        return read(path).filter(not_blank)
+
+    return documents
+
+
+def not_blank(document: tf.Tensor) -> tf.Tensor:
+    """Whether a document holds more than whitespace: blank ones would be [BOS] [EOS] only."""
+    return tf.logical_not(tf.strings.regex_full_match(document, r"\s*"))
 
 
 def read_documents(
-    files: str | list[str] | tuple[str, ...],
+    files: str | Sequence[str],
     document_per: str = "paragraph",
     json_field: str | None = None,
 ) -> tf.data.Dataset:
     """Documents (scalar strings) from text files, in file order; blank documents are dropped.
 
     `document_per` is "line", "paragraph" (blank-line separated) or "file". With `json_field`
-    the files are JSON lines and each line's `json_field` is a document.
+    the files are JSON lines and each line's `json_field` is a document: decoded in the graph
+    (json_lines.py), the first lines of the first files checked against Python's `json` here,
+    and a bad line further on stops the pipeline with an error naming file:line.
     """
-    paths = list_files(files)
+    paths = _text_files(files, json_field)
+    return tf.data.Dataset.from_tensor_slices(paths).flat_map(
+        _file_reader(document_per, json_field)
+    )
+
+
+def _text_files(files: str | Sequence[str], json_field: str | None) -> list[str]:
+    """The files of `TextCorpus.files`; JSON lines files checked (`check_against_json`)."""
+    paths = tfrecord.list_files(files, "TextCorpus.files")
     if json_field is not None:
-        for path in paths:
-            next(_json_documents([path], json_field, first_only=True), None)
-        documents = tf.data.Dataset.from_generator(
-            lambda: _json_documents(paths, json_field),
-            output_signature=tf.TensorSpec([], tf.string),
-        )
-    elif document_per == "line":
-        documents = tf.data.TextLineDataset(paths)
-    elif document_per in ("paragraph", "file"):
-        documents = tf.data.Dataset.from_tensor_slices(paths).map(tf.io.read_file)
-        if document_per == "paragraph":
-            documents = documents.flat_map(_paragraphs)
-    else:
-        raise ValueError(f"document_per must be one of {DOCUMENT_UNITS}, got {document_per!r}")
-    return documents.filter(lambda d: tf.logical_not(tf.strings.regex_full_match(d, r"\s*")))
+        json_lines.check_against_json(paths, json_field)
+    return paths
 
 
 def _paragraphs(text: tf.Tensor) -> tf.data.Dataset:
     marked = tf.strings.regex_replace(text, r"\n[ \t\r]*\n\s*", _PARAGRAPH_BREAK)
     return tf.data.Dataset.from_tensor_slices(tf.strings.split(marked, _PARAGRAPH_BREAK))
-
-
-def _json_documents(paths: list[str], field: str, first_only: bool = False):
-    """The `field` of each JSON line; `first_only` checks a file's first record up front."""
-    for path in paths:
-        with tf.io.gfile.GFile(path, "r") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                    text = record[field]
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise ValueError(
-                        f"{path}:{number}: not a JSON object with a {field!r} field"
-                    ) from None
-                yield str(text)
-                if first_only:
-                    break
 
 
 def split_documents(documents: tf.data.Dataset, split: str, eval_fraction: float):
@@ -157,15 +156,61 @@ def detokenize(
     return tokenizer.detokenize(tf.ragged.boolean_mask(ids, keep))
 
 
-def _tokenized(documents, tokenizer, ids: dict[str, int], batch: int = 256):
+@dataclasses.dataclass(frozen=True)
+class Vocabulary:
+    """What packing and masking need of a vocabulary: its size and the special tokens' ids.
+
+    `bos`/`eos` None: nothing is added around documents (token records that carry their own
+    markers); `mask` None: the source cannot serve masked LM. `tokens`: the WordPiece tokens of
+    the text sources (empty for token records).
+    """
+
+    size: int
+    pad: int
+    bos: int | None
+    eos: int | None
+    mask: int | None
+    tokens: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, tokens: list[str]) -> Vocabulary:
+        """The vocabulary of a token list with the reserved tokens (vocab.RESERVED_TOKENS)."""
+        ids = vocab_lib.special_ids(tokens)
+        return cls(
+            len(tokens),
+            ids[vocab_lib.PAD],
+            ids[vocab_lib.BOS],
+            ids[vocab_lib.EOS],
+            ids[vocab_lib.MASK],
+            tuple(tokens),
+        )
+
+    def special_ids(self) -> dict[str, int]:
+        """The ids of the special tokens the vocabulary has, by name (vocab.PAD, ...)."""
+        names = (vocab_lib.PAD, vocab_lib.BOS, vocab_lib.EOS, vocab_lib.MASK)
+        ids = (self.pad, self.bos, self.eos, self.mask)
+        return {name: i for name, i in zip(names, ids) if i is not None}
+
+
+def with_markers(tokens: tf.RaggedTensor, vocabulary: Vocabulary) -> tf.RaggedTensor:
+    """[BOS] tokens [EOS] of each row, the markers the vocabulary has."""
+    rows = tokens.nrows()
+    parts = [tf.fill([rows, 1], marker) for marker in (vocabulary.bos,) if marker is not None]
+    parts.append(tokens)
+    parts += [tf.fill([rows, 1], marker) for marker in (vocabulary.eos,) if marker is not None]
+    return tf.concat(parts, axis=1) if len(parts) > 1 else tokens
+
+
+def tokenized(
+    documents: tf.data.Dataset,
+    tokenizer: tf_text.FastWordpieceTokenizer,
+    vocabulary: Vocabulary,
+    batch: int = 256,
+) -> tf.data.Dataset:
     """Int32 token vectors [BOS] document [EOS], tokenizing `batch` documents at a time."""
 
     def encode(texts):
-        tokens = tokenize(tokenizer, texts)
-        rows = tokens.nrows()
-        bos = tf.fill([rows, 1], ids[vocab_lib.BOS])
-        eos = tf.fill([rows, 1], ids[vocab_lib.EOS])
-        return tf.concat([bos, tokens, eos], axis=1)
+        return with_markers(tokenize(tokenizer, texts), vocabulary)
 
     return documents.batch(batch).map(encode, num_parallel_calls=tf.data.AUTOTUNE).unbatch()
 
@@ -193,22 +238,87 @@ def corpus_stats(tokens: tf.data.Dataset, vocab_size: int) -> dict[str, float]:
     }
 
 
+class TokenSource(Protocol):
+    """What `text_lm` and `text_mlm` read: `TextCorpus`, `tfds_text.TfdsText` or
+    `token_records.TokenRecords`.
+
+    Each is a frozen (hashable) dataclass with `sequence_length`, `seed`, `shuffle_buffer` and
+    `log_stats` settings, and:
+      vocabulary(): learned or loaded once; every call gives the same.
+      reads_own(part): whether the pipeline `part` reads its own part of the training data.
+      train_epoch(vocabulary, part, read_own): epoch number -> that epoch's token vectors (int32,
+        [BOS] ... [EOS] where the vocabulary has them), this pipeline's own or all, in an order
+        drawn from (seed, epoch): files interleaved in a permutation, then blocks of
+        `shuffle_buffer` documents each permuted (`streams.block_shuffle`).
+      eval_tokens(vocabulary): the eval split's token vectors, once, in a fixed order.
+      sample_tokens(vocabulary): a bounded sample of the training split, for `split_stats`.
+    """
+
+    sequence_length: int
+    seed: int
+    shuffle_buffer: int
+    log_stats: bool
+
+    def vocabulary(self) -> Vocabulary: ...
+
+    def reads_own(self, part: sharding.Share) -> bool: ...
+
+    def train_epoch(
+        self, vocabulary: Vocabulary, part: sharding.Share, read_own: bool
+    ) -> Callable[[tf.Tensor], tf.data.Dataset]: ...
+
+    def eval_tokens(self, vocabulary: Vocabulary) -> tf.data.Dataset: ...
+
+    def sample_tokens(self, vocabulary: Vocabulary) -> tf.data.Dataset: ...
+
+
+def check_common(source: str, corpus: TokenSource) -> None:
+    """The settings every source has, named `{source}.setting` in errors."""
+    checks.integer(f"{source}.sequence_length", corpus.sequence_length, minimum=2)
+    checks.integer(f"{source}.seed", corpus.seed, minimum=0)
+    checks.integer(f"{source}.shuffle_buffer", corpus.shuffle_buffer)
+    checks.boolean(f"{source}.log_stats", corpus.log_stats)
+    streams.check_sharding(f"{source}.sharding", corpus.sharding)
+
+
+def check_vocab_settings(source: str, corpus: TokenSource) -> None:
+    """The settings of a source that learns a WordPiece vocabulary."""
+    if not isinstance(corpus.vocab_path, str):
+        raise ValueError(
+            f"set {source}.vocab_path to a file path, e.g. vocab.txt in the run's model "
+            f"directory, got {corpus.vocab_path!r}"
+        )
+    checks.integer(f"{source}.vocab_size", corpus.vocab_size)
+    checks.integer(f"{source}.vocab_documents", corpus.vocab_documents, optional=True)
+    checks.integer(f"{source}.vocab_sample_bytes", corpus.vocab_sample_bytes, optional=True)
+    checks.integer(f"{source}.vocab_words", corpus.vocab_words, optional=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class TextCorpus:
-    """Where the text is and how it becomes rows: the configuration `text_lm`/`text_mlm` share.
+    """The user's text files: where the text is and how it becomes rows.
 
     files: paths or glob patterns (local or gs://) of text files.
-    vocab_path: the WordPiece vocabulary; read if it exists, else learned from the training
-      documents and written there. Put it in the run's model directory (`framework.sample` finds
-      it through the run's config.gin).
+    vocab_path: the WordPiece vocabulary; read if it exists, else learned from a sample of the
+      training documents and written there. Put it in the run's model directory
+      (`framework.sample` finds it through the run's config.gin).
     vocab_size: the model's vocabulary size: the most tokens a learned vocabulary gets; a larger
       vocabulary file is a ValueError.
     sequence_length: tokens per packed row.
     document_per, json_field: how files split into documents (see `read_documents`).
     eval_fraction: share of the documents held out for "eval" (chosen by a hash of their text).
-    seed: shuffles the training documents (a different order every epoch).
-    vocab_documents: documents sampled to learn the vocabulary.
-    log_stats: log documents, tokens, unigram entropy and padding share of each split (one pass).
+    seed: the order of the training documents (a different one every epoch).
+    shuffle_buffer: documents shuffled together: each epoch reads the files in a permutation,
+      `cycle_length` at a time interleaved, and permutes each block of this many documents.
+    vocab_documents, vocab_sample_bytes: the bounds of the sample the vocabulary is learned from:
+      at most this many documents and bytes of text, an equal share from each file (its first
+      documents), so that the time and memory of learning do not grow with the corpus.
+    vocab_words: the sample's most frequent distinct words the learner is given (None: all):
+      the learner's time grows faster than linearly with them (vocab.MAX_WORDS).
+    log_stats: log documents, tokens, unigram entropy and padding share of the eval split and of
+      the training sample (one pass over each).
+    sharding: 'auto', 'read_own' or 'read_all' (the module docstring).
+    cycle_length: files read at a time, interleaved document by document, when training.
     """
 
     files: tuple[str, ...] | str
@@ -222,6 +332,10 @@ class TextCorpus:
     shuffle_buffer: int = 10_000
     vocab_documents: int | None = 100_000
     log_stats: bool = True
+    vocab_sample_bytes: int | None = vocab_lib.SAMPLE_BYTES
+    sharding: str = "auto"
+    cycle_length: int = 16
+    vocab_words: int | None = vocab_lib.MAX_WORDS
 
     def __post_init__(self):
         files = [self.files] if isinstance(self.files, str) else self.files
@@ -232,92 +346,179 @@ class TextCorpus:
             )
         if not isinstance(self.files, str):
             object.__setattr__(self, "files", tuple(self.files))
-        if not isinstance(self.vocab_path, str):
-            raise ValueError(
-                "set TextCorpus.vocab_path to a file path, e.g. vocab.txt in the run's model "
-                f"directory, got {self.vocab_path!r}"
-            )
-        checks.integer("TextCorpus.vocab_size", self.vocab_size)
-        checks.integer("TextCorpus.sequence_length", self.sequence_length, minimum=2)
+        check_vocab_settings("TextCorpus", self)
+        check_common("TextCorpus", self)
         checks.number("TextCorpus.eval_fraction", self.eval_fraction, maximum=1.0)
-        checks.integer("TextCorpus.seed", self.seed, minimum=0)
-        checks.integer("TextCorpus.shuffle_buffer", self.shuffle_buffer)
-        checks.integer("TextCorpus.vocab_documents", self.vocab_documents, optional=True)
-        checks.boolean("TextCorpus.log_stats", self.log_stats)
+        checks.integer("TextCorpus.cycle_length", self.cycle_length)
+        if self.document_per not in DOCUMENT_UNITS:
+            raise ValueError(
+                f"TextCorpus.document_per must be one of {DOCUMENT_UNITS}, "
+                f"got {self.document_per!r}"
+            )
 
     def documents(self, split: str) -> tf.data.Dataset:
-        """The split's documents, as strings."""
+        """The split's documents, as strings, in file order."""
         documents = read_documents(self.files, self.document_per, self.json_field)
         return split_documents(documents, split, self.eval_fraction)
 
-    def vocab(self) -> list[str]:
-        """The vocabulary at `vocab_path`, learned from the training documents if missing."""
-        return vocab_lib.build_or_load_vocab(
-            self.vocab_path, self.documents("train"), self.vocab_size, self.vocab_documents
+    def sample(self) -> tf.data.Dataset:
+        """The training documents the vocabulary is learned from (`vocab_documents`,
+        `vocab_sample_bytes`; see `vocab.spread_sample`)."""
+        paths = tf.constant(_text_files(self.files, self.json_field))
+        read = _file_reader(self.document_per, self.json_field)
+
+        def part(index):
+            documents = read(tf.gather(paths, index))
+            return split_documents(documents, "train", self.eval_fraction)
+
+        return vocab_lib.spread_sample(
+            int(paths.shape[0]), part, self.vocab_documents, self.vocab_sample_bytes
         )
+
+    def vocab(self) -> list[str]:
+        """The vocabulary at `vocab_path`, learned from `sample()` if missing."""
+        return vocab_lib.build_or_load_vocab(
+            self.vocab_path, self.sample, self.vocab_size, self.vocab_words
+        )
+
+    def vocabulary(self) -> Vocabulary:
+        return Vocabulary.of(self.vocab())
 
     def tokens(self, split: str, vocab: list[str]) -> tf.data.Dataset:
         """The split's documents as int32 vectors [BOS] ... [EOS], in file order."""
-        ids = vocab_lib.special_ids(vocab)
-        return _tokenized(self.documents(split), make_tokenizer(vocab), ids)
+        vocabulary = Vocabulary.of(vocab)
+        return tokenized(self.documents(split), make_tokenizer(vocab), vocabulary)
+
+    def reads_own(self, part: sharding.Share) -> bool:
+        return streams.reads_own_files(
+            "TextCorpus.sharding",
+            self.sharding,
+            len(_text_files(self.files, self.json_field)),
+            part,
+        )
+
+    def train_epoch(
+        self, vocabulary: Vocabulary, part: sharding.Share, read_own: bool
+    ) -> Callable[[tf.Tensor], tf.data.Dataset]:
+        paths = _text_files(self.files, self.json_field)
+        own = paths[part.pipeline :: part.pipelines] if read_own else paths
+        read, tokenizer = (
+            _file_reader(self.document_per, self.json_field),
+            tokenizer_for(vocabulary),
+        )
+
+        def epoch(number):
+            documents = streams.interleaved_files(own, read, self.seed, number, self.cycle_length)
+            documents = split_documents(documents, "train", self.eval_fraction)
+            documents = streams.block_shuffle(documents, self.shuffle_buffer, self.seed, number)
+            return tokenized(documents, tokenizer, vocabulary)
+
+        return epoch
+
+    def eval_tokens(self, vocabulary: Vocabulary) -> tf.data.Dataset:
+        return tokenized(self.documents("eval"), tokenizer_for(vocabulary), vocabulary)
+
+    def sample_tokens(self, vocabulary: Vocabulary) -> tf.data.Dataset:
+        return tokenized(self.sample(), tokenizer_for(vocabulary), vocabulary)
+
+
+def tokenizer_for(vocabulary: Vocabulary) -> tf_text.FastWordpieceTokenizer:
+    """The WordPiece tokenizer of a text source's vocabulary."""
+    return make_tokenizer(list(vocabulary.tokens))
+
+
+def _check_not_empty(documents: tf.data.Dataset, split: str, corpus) -> None:
+    if not any(True for _ in documents.take(1)):
+        hint = (
+            f"the corpus has too few documents for eval_fraction={corpus.eval_fraction} (give "
+            "more text or split it into more documents)"
+            if isinstance(corpus, TextCorpus)
+            else "check the files or split it reads"
+        )
+        raise ValueError(f"the {split} split is empty: {hint}")
 
 
 def packed_rows(
-    corpus: TextCorpus, split: str, global_batch: int, start_step: int = 0
-) -> tuple[tf.data.Dataset, list[str]]:
-    """Global batches of packed rows ({"tokens", "segment_ids", "positions"} [G, T]) and the vocab.
+    corpus: TokenSource, split: str, part: sharding.Share, start_step: int = 0
+) -> tuple[tf.data.Dataset, Vocabulary]:
+    """This pipeline's packed rows ({"tokens", "segment_ids", "positions"}, each [T]) in the
+    order of its replicas' batches, and the vocabulary.
 
-    "train" repeats forever, reshuffled each epoch from the corpus' seed, starting at global step
-    `start_step`. "eval" holds the held-out documents once, its last batch filled up with empty
-    rows (all padding, so they weigh nothing).
+    "train" is endless, from global step `start_step`: the epochs of `corpus.train_epoch`, one
+    after the other, packed, cut
+    into the rows of each global step (this pipeline's own rows when it reads its own data,
+    else its share of the global rows). "eval" holds the split once, in order, packed into
+    global batches, the last one filled up with empty rows (all padding, so they weigh nothing),
+    and this pipeline's share of each.
     """
-    vocab = corpus.vocab()
-    ids = vocab_lib.special_ids(vocab)
-    pad, length = ids[vocab_lib.PAD], corpus.sequence_length
-    chosen = corpus.documents(split)
-    if not any(True for _ in chosen.take(1)):
-        raise ValueError(
-            f"the {split} split is empty: the corpus has too few documents for eval_fraction="
-            f"{corpus.eval_fraction} (give more text or split it into more documents)"
-        )
-    if corpus.log_stats:
-        _log_stats(corpus, split, tf.io.gfile.stat(corpus.vocab_path).mtime_nsec)
-    if split == "train":
-        chosen = chosen.shuffle(corpus.shuffle_buffer, seed=corpus.seed).repeat()
-    rows = packing.pack_dataset(_tokenized(chosen, make_tokenizer(vocab), ids), length, pad)
+    vocabulary = corpus.vocabulary()
+    pad, length = vocabulary.pad, corpus.sequence_length
     if split == "eval":
+        documents = corpus.eval_tokens(vocabulary)
+        _check_not_empty(documents, split, corpus)
+        if corpus.log_stats:
+            _log_stats(corpus, split, vocabulary)
         empty = {
             "tokens": tf.fill([length], pad),
             "segment_ids": tf.zeros([length], tf.int32),
             "positions": tf.zeros([length], tf.int32),
         }
-        rows = rows.concatenate(tf.data.Dataset.from_tensors(empty).repeat(global_batch - 1))
-    batches = rows.batch(global_batch, drop_remainder=True)
-    if split == "train":
-        batches = batches.skip(start_step)
-    return batches, vocab
+        rows = packing.pack_dataset(documents, length, pad)
+        rows = rows.concatenate(tf.data.Dataset.from_tensors(empty).repeat(part.global_batch - 1))
+        batches = rows.batch(part.global_batch, drop_remainder=True)
+        return _rows_of(batches, part), vocabulary
+    if split != "train":
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    read_own = corpus.reads_own(part)
+    epoch = corpus.train_epoch(vocabulary, part, read_own)
+    _check_not_empty(epoch(tf.constant(0, tf.int64)), split, corpus)
+    if corpus.log_stats:
+        _log_stats(corpus, split, vocabulary)
+    documents = tf.data.Dataset.range(streams.ENDLESS).flat_map(epoch)
+    rows = packing.pack_dataset(documents, length, pad)
+    batches = rows.batch(part.rows if read_own else part.global_batch, drop_remainder=True)
+    batches = batches.skip(start_step)
+    return (batches.unbatch() if read_own else _rows_of(batches, part)), vocabulary
+
+
+def _rows_of(batches: tf.data.Dataset, part: sharding.Share) -> tf.data.Dataset:
+    """This pipeline's rows of each global batch, one by one."""
+    if part.rows < part.global_batch:
+        batches = batches.map(
+            lambda rows: tf.nest.map_structure(
+                lambda x: x[part.first : part.first + part.rows], rows
+            )
+        )
+    return batches.unbatch()
+
+
+def split_stats(corpus: TokenSource, split: str) -> dict[str, float]:
+    """Documents, tokens, unigram entropy and padding share of the eval split or of the
+    training sample (`sample_tokens`), computed once per corpus, split and vocabulary."""
+    return _split_stats(corpus, split, corpus.vocabulary())
 
 
 @functools.lru_cache(maxsize=16)
-def split_stats(corpus: TextCorpus, split: str, vocab_version: int = 0) -> dict[str, float]:
-    """Documents, tokens, unigram entropy and padding share of a split (cached per vocab file)."""
-    vocab = corpus.vocab()
-    tokens = corpus.tokens(split, vocab)
-    stats = corpus_stats(tokens, len(vocab))
-    pad = vocab_lib.special_ids(vocab)[vocab_lib.PAD]
-    rows = packing.pack_dataset(tokens, corpus.sequence_length, pad)
+def _split_stats(corpus: TokenSource, split: str, vocabulary: Vocabulary) -> dict[str, float]:
+    if split == "eval":
+        tokens = corpus.eval_tokens(vocabulary)
+    else:
+        tokens = corpus.sample_tokens(vocabulary)
+    stats = corpus_stats(tokens, vocabulary.size)
+    rows = packing.pack_dataset(tokens, corpus.sequence_length, vocabulary.pad)
     stats["padding_share"] = packing.padding_share(rows)
     return stats
 
 
-def _log_stats(corpus: TextCorpus, split: str, vocab_version: int) -> None:
-    if (corpus, split, vocab_version) in _LOGGED:
+def _log_stats(corpus: TokenSource, split: str, vocabulary: Vocabulary) -> None:
+    if (corpus, split, vocabulary) in _LOGGED:
         return
-    _LOGGED.add((corpus, split, vocab_version))
-    stats = split_stats(corpus, split, vocab_version)
+    _LOGGED.add((corpus, split, vocabulary))
+    stats = _split_stats(corpus, split, vocabulary)
     logging.info(
-        "%s text: %d documents, %d tokens, unigram entropy %.3f nats/token, padding %.1f%%",
+        "%s text%s: %d documents, %d tokens, unigram entropy %.3f nats/token, padding %.1f%%",
         split,
+        " (the vocabulary's sample)" if split == "train" else "",
         stats["documents"],
         stats["tokens"],
         stats["unigram_entropy"],
@@ -326,17 +527,6 @@ def _log_stats(corpus: TextCorpus, split: str, vocab_version: int) -> None:
 
 
 _LOGGED: set = set()
-
-
-def _pipeline_share(batches: tf.data.Dataset, part: sharding.Share) -> tf.data.Dataset:
-    """This pipeline's rows of each global batch, re-batched per replica."""
-    if part.rows < part.global_batch:
-        batches = batches.map(
-            lambda rows: tf.nest.map_structure(
-                lambda x: x[part.first : part.first + part.rows], rows
-            )
-        )
-    return batches.unbatch().batch(part.per_replica, drop_remainder=True)
 
 
 def lm_example(rows: dict[str, tf.Tensor]):
@@ -366,9 +556,9 @@ def mlm_example(
     """(inputs, labels, weights) for BERT's masked LM on packed rows [B, T].
 
     tensorflow-text picks ceil(mask_rate * tokens) positions of each row ([PAD], [BOS], [EOS]
-    excluded) and replaces 80% of them by [MASK], 10% by a random token, and keeps 10%. Labels
-    and weights are [B, P] over the picked positions (`inputs["masked_positions"]`), P =
-    `max_predictions`; unused slots weigh 0.
+    excluded; `ids` may lack [BOS] and [EOS]) and replaces 80% of them by [MASK], 10% by a
+    random token, and keeps 10%. Labels and weights are [B, P] over the picked positions
+    (`inputs["masked_positions"]`), P = `max_predictions`; unused slots weigh 0.
     """
     tokens, segments = rows["tokens"], rows["segment_ids"]
     batch, length = tokens.shape
@@ -377,7 +567,9 @@ def mlm_example(
     selector = tf_text.RandomItemSelector(
         max_selections_per_batch=limit,
         selection_rate=mask_rate,
-        unselectable_ids=[ids[vocab_lib.PAD], ids[vocab_lib.BOS], ids[vocab_lib.EOS]],
+        unselectable_ids=[
+            ids[name] for name in (vocab_lib.PAD, vocab_lib.BOS, vocab_lib.EOS) if name in ids
+        ],
     )
     chooser = tf_text.MaskValuesChooser(vocab_size, ids[vocab_lib.MASK], 0.8, 0.1)
     masked, positions, labels = tf_text.mask_language_model(
@@ -390,22 +582,28 @@ def mlm_example(
     return inputs, labels.to_tensor(0, shape=[batch, limit]), weights
 
 
+def _check_split(split: str) -> None:
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+
+
 def text_lm(
     split: str,
     input_context: tf.distribute.InputContext | None = None,
     *,
     global_batch_size: int,
     start_step: int = 0,
-    corpus: TextCorpus,
+    corpus: TokenSource,
 ) -> tf.data.Dataset:
     """Next-token batches ({"tokens", "segment_ids", "positions"}, targets, weights), each [B, T].
 
-    A data set function (`sharding.DatasetFn`): each input pipeline serves its replicas' rows of
-    every global batch.
+    A data set function (`sharding.DatasetFn`) over any `TokenSource`: each input pipeline
+    serves its replicas' rows of every global batch.
     """
+    _check_split(split)
     part = sharding.share(global_batch_size, input_context)
-    batches, _ = packed_rows(corpus, split, part.global_batch, start_step)
-    dataset = _pipeline_share(batches, part)
+    rows, _ = packed_rows(corpus, split, part, start_step)
+    dataset = rows.batch(part.per_replica, drop_remainder=True)
     return dataset.map(lm_example, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
 
 
@@ -415,18 +613,23 @@ def text_mlm(
     *,
     global_batch_size: int,
     start_step: int = 0,
-    corpus: TextCorpus,
+    corpus: TokenSource,
     mask_rate: float = 0.15,
 ) -> tf.data.Dataset:
     """Masked-LM batches ({"tokens", "segment_ids", "positions", "masked_positions"}, labels,
     weights): tokens [B, T], the rest [B, P] (see `mlm_example`). Arguments as in `text_lm`.
     """
+    _check_split(split)
     checks.number("text_mlm.mask_rate", mask_rate, maximum=1.0)
     part = sharding.share(global_batch_size, input_context)
-    batches, vocab = packed_rows(corpus, split, part.global_batch, start_step)
-    ids = vocab_lib.special_ids(vocab)
-    dataset = _pipeline_share(batches, part)
+    rows, vocabulary = packed_rows(corpus, split, part, start_step)
+    if vocabulary.mask is None:
+        raise ValueError(
+            "masked LM needs a [MASK] token: set TokenRecords.mask_id to its id in the vocabulary"
+        )
+    ids = vocabulary.special_ids()
+    dataset = rows.batch(part.per_replica, drop_remainder=True)
     return dataset.map(
-        lambda rows: mlm_example(rows, ids, len(vocab), mask_rate),
+        lambda rows: mlm_example(rows, ids, vocabulary.size, mask_rate),
         num_parallel_calls=tf.data.AUTOTUNE,
     ).prefetch(tf.data.AUTOTUNE)

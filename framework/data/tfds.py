@@ -42,15 +42,39 @@ def import_tfds():
     return tensorflow_datasets
 
 
-def _builder(name: str, data_dir: str | None):
+def builder(name: str, data_dir: str | None, setting: str = "data.tfds.name"):
+    """The TFDS builder of `name`, or an error naming `setting` when there is no such set."""
     tfds = import_tfds()
     try:
         return tfds.builder(name, data_dir=data_dir)
     except tfds.core.DatasetNotFoundError:
         raise ValueError(
-            f"data.tfds.name {name!r} is not a TensorFlow Datasets data set (tfds.list_builders() "
+            f"{setting} {name!r} is not a TensorFlow Datasets data set (tfds.list_builders() "
             "lists them)"
         ) from None
+
+
+def as_dataset(builder, split: str, data_dir: str | None, decoders=None) -> tf.data.Dataset:
+    """The split's examples in TFDS's order, or an error saying how to prepare the data set."""
+    try:
+        return builder.as_dataset(split=split, shuffle_files=False, decoders=decoders)
+    except AssertionError as error:  # what TFDS raises for a data set not prepared
+        raise ValueError(
+            f"TensorFlow Datasets data set {builder.name!r} is not prepared in data_dir "
+            f"{data_dir or '~/tensorflow_datasets'}: prepare it once with `tfds build "
+            f"{builder.name} --data_dir=...` ({str(error).splitlines()[0][:200]})"
+        ) from None
+
+
+def check_features(builder, keys: dict[str, str], source: str = "data.tfds") -> None:
+    """Each key (by its setting's name) is a feature of the data set."""
+    features = builder.info.features
+    for setting, key in keys.items():
+        if key not in features:
+            raise ValueError(
+                f"{source}.{setting} {key!r} is not a feature of {builder.name!r}; its "
+                f"features: {sorted(features.keys())}"
+            )
 
 
 def _read(
@@ -61,29 +85,15 @@ def _read(
     decoders = None
     if isinstance(builder.info.features[image_key], tfds.features.Image):
         decoders = {image_key: tfds.decode.SkipDecoding()}
-    try:
-        examples = builder.as_dataset(split=split, shuffle_files=False, decoders=decoders)
-    except AssertionError as error:  # what TFDS raises for a data set not prepared
-        raise ValueError(
-            f"TensorFlow Datasets data set {builder.name!r} is not prepared in data_dir "
-            f"{data_dir or '~/tensorflow_datasets'}: prepare it once with `tfds build "
-            f"{builder.name} --data_dir=...` ({str(error).splitlines()[0][:200]})"
-        ) from None
+    examples = as_dataset(builder, split, data_dir, decoders)
     return examples.map(lambda example: {key: example[key] for key in (image_key, label_key)})
 
 
 def _check_keys(builder, image_key: str, label_key: str) -> int | None:
     """The number of classes of the label feature (None if it is not a ClassLabel)."""
-    tfds = import_tfds()
-    features = builder.info.features
-    for setting, key in (("image_key", image_key), ("label_key", label_key)):
-        if key not in features:
-            raise ValueError(
-                f"data.tfds.{setting} {key!r} is not a feature of {builder.name!r}; its "
-                f"features: {sorted(features.keys())}"
-            )
-    label = features[label_key]
-    return label.num_classes if isinstance(label, tfds.features.ClassLabel) else None
+    check_features(builder, {"image_key": image_key, "label_key": label_key})
+    label = builder.info.features[label_key]
+    return label.num_classes if isinstance(label, import_tfds().features.ClassLabel) else None
 
 
 def tfds(
@@ -111,17 +121,17 @@ def tfds(
     checks.integer("data.tfds.shuffle_block", shuffle_block)
     part = sharding_lib.share(global_batch_size, input_context)
     read_own = streams.reads_own("data.tfds.sharding", sharding, auto=part.pipelines > 1)
-    builder = _builder(name, data_dir)
-    num_classes = _check_keys(builder, image_key, label_key)
+    data_set = builder(name, data_dir)
+    num_classes = _check_keys(data_set, image_key, label_key)
     eval_data = (
-        _read(builder, eval_split, image_key, label_key, data_dir) if split == "eval" else None
+        _read(data_set, eval_split, image_key, label_key, data_dir) if split == "eval" else None
     )
 
     def train(part, start):
         own = train_split
         if read_own and part.pipelines > 1:
             own = import_tfds().even_splits(train_split, n=part.pipelines)[part.pipeline]
-        data = _read(builder, own, image_key, label_key, data_dir)
+        data = _read(data_set, own, image_key, label_key, data_dir)
         size = int(data.cardinality())
         if size == 0:
             raise ValueError(f"data.tfds: {name} split {own!r} holds no examples")

@@ -31,15 +31,36 @@ import tensorflow as tf
 from framework import checks
 from framework.data import image_ops, images, streams
 from framework.data import sharding as sharding_lib
+from framework.errors import BAD_DATA
+from framework.files import is_local
 
 
 def list_files(patterns: str | Sequence[str], setting: str) -> list[str]:
-    """The sorted files matching `patterns` (file names or globs, local or gs://)."""
+    """The sorted files matching `patterns` (file names or globs, local or gs://), for the
+    setting named `setting` in errors. Directories a pattern matches are left out (they would
+    fail later, inside tf.data, as "Is a directory"); a pattern matching no file is a ValueError.
+    """
     patterns = [patterns] if isinstance(patterns, str) else list(patterns)
-    files = sorted({file for pattern in patterns for file in tf.io.gfile.glob(pattern)})
-    if not files:
-        raise ValueError(f"{setting} {patterns} matches no files")
-    return files
+    if not patterns:
+        raise ValueError(f"{setting} is empty: give one or more file names or glob patterns")
+    found = set()
+    for pattern in patterns:
+        matches = tf.io.gfile.glob(pattern)
+        if not matches:
+            raise ValueError(f"{setting}: {pattern!r} not found (no file matches it)")
+        # Cloud Storage has no directories, only names: a match ending in '/' stands for one.
+        kept = [
+            path
+            for path in matches
+            if not path.endswith("/") and not (is_local(path) and tf.io.gfile.isdir(path))
+        ]
+        if not kept:
+            raise ValueError(
+                f"{setting}: {pattern!r} is a directory, not a file: name the files in it, "
+                f"e.g. '{pattern.rstrip('/')}/*'"
+            )
+        found.update(kept)
+    return sorted(found)
 
 
 def _check_example(record: bytes, image_key: str, label_key: str, files: list[str]) -> None:
@@ -91,14 +112,7 @@ def tfrecord(
     checks.integer("data.tfrecord.cycle_length", cycle_length)
     part = sharding_lib.share(global_batch_size, input_context)
     files = list_files(train_files, "data.tfrecord.train_files")
-    read_own = streams.reads_own(
-        "data.tfrecord.sharding", sharding, auto=len(files) >= part.pipelines
-    )
-    if read_own and len(files) < part.pipelines:
-        raise ValueError(
-            f"data.tfrecord.sharding = 'read_own' needs a file per input pipeline: "
-            f"{len(files)} files, {part.pipelines} pipelines ('read_all' reads them all)"
-        )
+    read_own = streams.reads_own_files("data.tfrecord.sharding", sharding, len(files), part)
     if split == "eval":
         files = list_files(eval_files, "data.tfrecord.eval_files")
     _check_example(_first_record(files), image_key, label_key, files)
@@ -114,8 +128,9 @@ def tfrecord(
         label = tf.cast(features[label_key] - label_offset, tf.int32)
         label_range = "negative" if num_classes is None else f"outside [0, {num_classes})"
         message = (
-            f"a label of {files[0]}... minus data.tfrecord.label_offset = {label_offset} is "
-            f"{label_range}: set label_offset (0 for labels from 0) or num_classes"
+            f"{BAD_DATA}a label of {files[0]}... minus data.tfrecord.label_offset = "
+            f"{label_offset} is {label_range}: set label_offset (0 for labels from 0) or "
+            "num_classes"
         )
         valid = label >= 0 if num_classes is None else (label >= 0) & (label < num_classes)
         with tf.control_dependencies([tf.debugging.Assert(valid, [message, label])]):
@@ -123,19 +138,12 @@ def tfrecord(
 
     def train(part, start):
         own = files[part.pipeline :: part.pipelines] if read_own else files
-        own_t = tf.constant(own)
         if read_own:
             _first_record(own)
 
         def epoch(number):
-            order = tf.random.experimental.stateless_shuffle(
-                tf.range(len(own)), seed=tf.stack([tf.cast(seed, tf.int64), number])
-            )
-            records = tf.data.Dataset.from_tensor_slices(tf.gather(own_t, order)).interleave(
-                tf.data.TFRecordDataset,
-                cycle_length=min(cycle_length, len(own)),
-                num_parallel_calls=tf.data.AUTOTUNE,
-                deterministic=True,
+            records = streams.interleaved_files(
+                own, tf.data.TFRecordDataset, seed, number, cycle_length
             )
             return streams.block_shuffle(records, shuffle_block, seed, number)
 
