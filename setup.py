@@ -25,7 +25,8 @@ setup(
         # data.tfds; tensorflow-datasets names no TensorFlow version, and 4.9.10 installs and
         # runs beside TensorFlow 2.20 and 2.21 (protobuf, numpy 2).
         "tfds": ["tensorflow-datasets>=4.9.10,<5"],
-        "test": ["pytest>=8", "ruff>=0.6", "tensorflow-datasets>=4.9.10,<5"],
+        # pytest-xdist: the README's test command runs the suite in 2 worker processes.
+        "test": ["pytest>=8", "pytest-xdist>=3.6", "ruff>=0.6", "tensorflow-datasets>=4.9.10,<5"],
     },
     entry_points={
         "console_scripts": [

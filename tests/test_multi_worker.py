@@ -1,7 +1,8 @@
 """launch/local_cluster.py: real worker processes with TF_CONFIG on 127.0.0.1.
 
-SIGTERM saves a checkpoint at a step both workers agree on, a restart resumes there, and the run
-equals the same global batches on one device; a SIGKILLed worker stops the launcher. The
+A SIGKILLed worker stops the launcher and a restart resumes; SIGTERM saves a checkpoint at a step
+both workers agree on, a restart resumes there, and the run equals the same global batches on one
+device (one run through three clusters: each cluster start costs two TensorFlow processes). The
 workers' servers cannot be reached from outside the cluster (for root and for an unprivileged
 user), a launcher that cannot ensure that refuses to start, and a SIGKILLed launcher takes its
 workers with it.
@@ -160,44 +161,22 @@ def assert_reachable_only_inside_the_cluster(workers: list[tuple[int, int]]) -> 
         assert refuses("127.0.0.1", port), f"worker port {port} is open on the host's lo"
 
 
-def test_sigterm_saves_where_the_workers_agree_and_the_restart_trains_like_one_device(tmp_path):
-    """Two workers train until SIGTERM, save at a step both agree on, and a restart resumes there
-    and finishes; the result equals the same run on one device (same global batches, initial
-    weights and schedules: only the order of float sums differs, in the all-reduce)."""
-    cluster = start_cluster(tmp_path / "mw", "--gin.Trainer.train_steps=100000")
-    lines = wait_for(cluster, r"\[worker 1\].*step 10/100000")
-    assert_reachable_only_inside_the_cluster(launcher_lines(lines))
-    cluster.send_signal(signal.SIGTERM)
-    output = cluster.communicate(timeout=120)[0]
-    assert cluster.returncode == local_cluster.PREEMPTED_EXIT_CODE, output[-3000:]
-    everything = "".join(lines) + output
-    assert "[worker 1]" in output and "multi_worker_mirrored with 2 replica(s)" in everything
-    saved = sorted(
-        int(m) for m in re.findall(r"preempted: saved a checkpoint at step (\d+)", output)
-    )
-    assert len(saved) == 2 and saved[0] == saved[1] and saved[0] >= 10, output[-3000:]
-    end = saved[0] + 5
-    restart = start_cluster(tmp_path / "mw", f"--gin.Trainer.train_steps={end}")
-    output = restart.communicate(timeout=300)[0]
-    assert restart.returncode == 0, output[-3000:]
-    assert f"restored step {saved[0]}" in output
-    assert (tmp_path / "mw" / "config.gin").exists()
+def test_a_killed_worker_stops_the_cluster_and_sigterm_saves_where_the_workers_agree(tmp_path):
+    """One run through three clusters, each resuming where the one before stopped:
 
-    args = {**tiny.TRAINER_ARGS, "remat_policy": "dots_saveable"}
-    Trainer(str(tmp_path / "one"), **args, train_steps=100000).train(max_steps=saved[0])
-    single = Trainer(str(tmp_path / "one"), **args, train_steps=end)
-    single.train()
-    restored = Trainer(str(tmp_path / "mw"), **args, train_steps=end)  # the workers' last save
-    assert restored.step == single.step == end
-    loss_one, loss_mw = single.evaluate()["loss"], restored.evaluate()["loss"]
-    assert abs(loss_mw - loss_one) / loss_one < 1e-4, (loss_mw, loss_one)
+    1. as a user without capabilities (when this machine can run one), the launcher isolates its
+       workers through a user namespace; a SIGKILLed worker stops it;
+    2. started by this user (root in CI), it isolates them too, and the restart resumes from the
+       last checkpoint; SIGTERM saves a checkpoint at a step both workers agree on;
+    3. the restart resumes there and finishes.
 
-
-def test_an_unprivileged_cluster_is_isolated_and_a_killed_worker_stops_the_launcher(tmp_path):
-    """As a user without capabilities (when this machine can run one), the launcher isolates its
-    workers through a user namespace; a SIGKILLed worker stops it and the restart resumes."""
+    The result equals the same run with the same interruptions on one device (same global
+    batches, initial weights and schedules: only the order of float sums differs, in the
+    all-reduce).
+    """
+    model_dir = tmp_path / "mw"
     prefix = [] if cannot_run([*UNPRIVILEGED, "true"]) else UNPRIVILEGED
-    cluster = start_cluster(tmp_path, "--gin.Trainer.train_steps=100000", prefix=prefix)
+    cluster = start_cluster(model_dir, "--gin.Trainer.train_steps=100000", prefix=prefix)
     lines = wait_for(cluster, r"\[worker 1\].*step 10/100000")
     assert_reachable_only_inside_the_cluster(launcher_lines(lines))
     pid = int(re.search(r"worker 1 pid (\d+)", "".join(lines)).group(1))
@@ -207,13 +186,40 @@ def test_an_unprivileged_cluster_is_isolated_and_a_killed_worker_stops_the_launc
     assert cluster.returncode != 0
     assert time.monotonic() - killed_at < 30
     assert "worker 1 exited with status -9" in output
+    killed = int(tf.train.latest_checkpoint(model_dir / "checkpoints").rsplit("-", 1)[1])
+    assert killed >= 10
 
-    last = int(tf.train.latest_checkpoint(tmp_path / "checkpoints").rsplit("-", 1)[1])
-    assert last >= 10
-    restart = start_cluster(tmp_path, f"--gin.Trainer.train_steps={last + 5}", prefix=prefix)
+    cluster = start_cluster(model_dir, "--gin.Trainer.train_steps=100000")
+    lines = wait_for(cluster, rf"\[worker 1\].*step {killed + 10}/100000")
+    assert f"restored step {killed}" in "".join(lines)
+    assert_reachable_only_inside_the_cluster(launcher_lines(lines))
+    cluster.send_signal(signal.SIGTERM)
+    output = cluster.communicate(timeout=120)[0]
+    assert cluster.returncode == local_cluster.PREEMPTED_EXIT_CODE, output[-3000:]
+    everything = "".join(lines) + output
+    assert "[worker 1]" in output and "multi_worker_mirrored with 2 replica(s)" in everything
+    saved = sorted(
+        int(m) for m in re.findall(r"preempted: saved a checkpoint at step (\d+)", output)
+    )
+    assert len(saved) == 2 and saved[0] == saved[1] and saved[0] >= killed + 10, output[-3000:]
+
+    end = saved[0] + 5
+    restart = start_cluster(model_dir, f"--gin.Trainer.train_steps={end}")
     output = restart.communicate(timeout=300)[0]
     assert restart.returncode == 0, output[-3000:]
-    assert f"restored step {last}" in output
+    assert f"restored step {saved[0]}" in output
+    assert (model_dir / "config.gin").exists()
+
+    args = {**tiny.TRAINER_ARGS, "remat_policy": "dots_saveable"}
+    for stop in (killed, saved[0]):  # the clusters' interruptions
+        interrupted = Trainer(str(tmp_path / "one"), **args, train_steps=100000)
+        interrupted.train(max_steps=stop - interrupted.step)
+    single = Trainer(str(tmp_path / "one"), **args, train_steps=end)
+    single.train()
+    restored = Trainer(str(model_dir), **args, train_steps=end)  # the workers' last save
+    assert restored.step == single.step == end
+    loss_one, loss_mw = single.evaluate()["loss"], restored.evaluate()["loss"]
+    assert abs(loss_mw - loss_one) / loss_one < 1e-4, (loss_mw, loss_one)
 
 
 def test_a_launcher_that_cannot_isolate_the_workers_refuses_to_start(tmp_path):

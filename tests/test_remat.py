@@ -6,7 +6,9 @@ The small transformer-like `Block` here is also used by those subprocess scenari
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
 
 import keras
 import numpy as np
@@ -336,32 +338,44 @@ def test_policy_resolution_and_predicates():
         remat.get_policy("dots_saveable+masks")
 
 
-def _count_in_optimized_hlo(pattern: str, policies_to_try: tuple[str, ...]) -> dict[str, int]:
-    """How often `pattern` occurs in the optimized HLO of a 2-block XLA step, per policy."""
+@pytest.fixture(scope="module")
+def optimized_hlo() -> Callable[[str], str]:
+    """The optimized HLO of a 2-block XLA step under a policy; each policy's is compiled once for
+    the module (the tests below count in the same programs)."""
     blocks, x = make_stack(n=2)
-    counts = {}
-    for policy in policies_to_try:
+
+    @functools.cache
+    def hlo(policy: str) -> str:
         for blk in blocks:
             remat.checkpoint(blk, policy)
-        hlo = stack_step(blocks, "xla").experimental_get_compiler_ir(x)(stage="optimized_hlo")
-        counts[policy] = len(re.findall(pattern, hlo))
-    return counts
+        return stack_step(blocks, "xla").experimental_get_compiler_ir(x)(stage="optimized_hlo")
+
+    return hlo
+
+
+def _count_in_optimized_hlo(
+    optimized_hlo: Callable[[str], str], pattern: str, policies_to_try: tuple[str, ...]
+) -> dict[str, int]:
+    """How often `pattern` occurs in the optimized HLO of a 2-block XLA step, per policy."""
+    return {policy: len(re.findall(pattern, optimized_hlo(policy))) for policy in policies_to_try}
 
 
 @pytest.mark.slow
 @pytest.mark.tf_compat
-def test_xla_keeps_recomputation_and_saved_dots():
+def test_xla_keeps_recomputation_and_saved_dots(optimized_hlo):
     counts = _count_in_optimized_hlo(
-        r"\bdot\(", ("everything_saveable", "nothing_saveable", "dots_saveable")
+        optimized_hlo, r"\bdot\(", ("everything_saveable", "nothing_saveable", "dots_saveable")
     )
     assert counts["dots_saveable"] == counts["everything_saveable"], counts
     assert counts["nothing_saveable"] > counts["everything_saveable"], counts
 
 
 @pytest.mark.slow
-def test_random_masks_saved_as_bits_and_never_regenerated():
+def test_random_masks_saved_as_bits_and_never_regenerated(optimized_hlo):
     rng_calls = _count_in_optimized_hlo(
-        r"to_apply=%rng", ("everything_saveable", "nothing_saveable", "random_masks_saveable")
+        optimized_hlo,
+        r"to_apply=%rng",
+        ("everything_saveable", "nothing_saveable", "random_masks_saveable"),
     )
     assert rng_calls["everything_saveable"] > 0, rng_calls
     assert rng_calls["nothing_saveable"] == 2 * rng_calls["everything_saveable"], rng_calls

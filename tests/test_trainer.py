@@ -24,11 +24,24 @@ def trained_run(tmp_path_factory):
     return model_dir
 
 
+def copy_run(run, model_dir):
+    """A copy of `run` at `model_dir` (without the first run's lock); returns model_dir."""
+    shutil.copytree(run, model_dir, ignore=shutil.ignore_patterns("LOCK"))
+    return model_dir
+
+
 @pytest.fixture
 def run_copy(trained_run, tmp_path):
-    """A copy of `trained_run` of this test's own (without the first run's lock)."""
-    model_dir = tmp_path / "run"
-    shutil.copytree(trained_run, model_dir, ignore=shutil.ignore_patterns("LOCK"))
+    """A copy of `trained_run` of this test's own."""
+    return copy_run(trained_run, tmp_path / "run")
+
+
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory):
+    """A tiny run trained to step 2 a step per loop, once for the module: ckpt-1 and ckpt-2,
+    the finite start of the divergence tests (each takes a copy)."""
+    model_dir = tmp_path_factory.mktemp("two_steps")
+    make_trainer(model_dir, train_steps=2, steps_per_loop=1).train()
     return model_dir
 
 
@@ -56,9 +69,10 @@ def test_trains_checkpoints_and_writes_summaries(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.tf_compat
-def test_resumed_run_restores_and_equals_uninterrupted_run(tmp_path):
-    straight = make_trainer(tmp_path / "straight", train_steps=10)
-    straight.train()
+def test_resumed_run_restores_and_equals_uninterrupted_run(run_copy, tmp_path):
+    # The uninterrupted run: `trained_run` (these settings, 10 steps), restored from its ckpt-10.
+    straight = make_trainer(run_copy, train_steps=10)
+    assert straight.step == 10
     first = make_trainer(tmp_path / "split", train_steps=10)
     first.train(max_steps=5)
     weights = [v.numpy() for v in first.model.trainable_variables]
@@ -99,24 +113,25 @@ def _non_finite_values(path: str) -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("earlier_steps", [0, 2])
-def test_a_diverging_run_never_saves_a_non_finite_checkpoint(tmp_path, earlier_steps):
-    if earlier_steps:
-        make_trainer(tmp_path, train_steps=earlier_steps, steps_per_loop=1).train()
+def test_a_diverging_run_never_saves_a_non_finite_checkpoint(request, tmp_path, earlier_steps):
+    model_dir = tmp_path / "run"
+    if earlier_steps:  # 2: `two_step_run`'s steps
+        copy_run(request.getfixturevalue("two_step_run"), model_dir)
     # A weight decay of 1e36 at a learning rate of 1e3 scales the weights by 1 - 1e39: they are
     # non-finite after the first update, whose loss (of the weights before it) is finite. The
     # state to save is broken and the loss does not show it.
     diverging = dict(steps_per_loop=1, checkpoint_every=1, warmup_steps=0, weight_decay=1e36)
-    trainer = make_trainer(tmp_path, train_steps=10, learning_rate=1e3, **diverging)
+    trainer = make_trainer(model_dir, train_steps=10, learning_rate=1e3, **diverging)
     with pytest.raises(TrainerError, match="diverged") as info:
         trainer.train()
-    state = tf.train.get_checkpoint_state(tmp_path / "checkpoints")
+    state = tf.train.get_checkpoint_state(model_dir / "checkpoints")
     saved = list(state.all_model_checkpoint_paths) if state else []
     assert [os.path.basename(p) for p in saved] == [f"ckpt-{i + 1}" for i in range(earlier_steps)]
     assert all(_non_finite_values(path) == 0 for path in saved), saved
     newest = f"ckpt-{earlier_steps} is kept" if earlier_steps else "no finite checkpoint"
     assert newest in str(info.value), info.value
     # A restart with a sane learning rate continues from the newest checkpoint.
-    again = make_trainer(tmp_path, train_steps=earlier_steps + 2, steps_per_loop=1)
+    again = make_trainer(model_dir, train_steps=earlier_steps + 2, steps_per_loop=1)
     assert again.step == earlier_steps
     again.train()
     assert again.step == earlier_steps + 2
@@ -132,10 +147,12 @@ DIVERGING = dict(steps_per_loop=1, checkpoint_every=100, warmup_steps=0, learnin
 
 
 @pytest.mark.slow
-def test_a_diverged_run_rolls_back_with_a_lower_learning_rate_when_asked(tmp_path, caplog):
-    make_trainer(tmp_path, train_steps=2, steps_per_loop=1).train()
+def test_a_diverged_run_rolls_back_with_a_lower_learning_rate_when_asked(
+    two_step_run, tmp_path, caplog
+):
+    model_dir = copy_run(two_step_run, tmp_path / "run")
     trainer = make_trainer(
-        tmp_path,
+        model_dir,
         train_steps=5,
         divergence_rollbacks=1,
         rollback_learning_rate_factor=1e-30,  # a learning rate of 1 after the rollback
@@ -144,26 +161,26 @@ def test_a_diverged_run_rolls_back_with_a_lower_learning_rate_when_asked(tmp_pat
     trainer.train()
     assert trainer.step == 5
     assert "before step 4: rolled back to" in caplog.text and "ckpt-2 with" in caplog.text
-    saved = checkpoints_on_disk(tmp_path)
+    saved = checkpoints_on_disk(model_dir)
     assert [os.path.basename(p) for p in saved] == ["ckpt-1", "ckpt-2", "ckpt-5"]
     assert all(_non_finite_values(path) == 0 for path in saved)
     # The lowered learning rate is saved with the checkpoints: a restart keeps it.
     scale = trainer.learning_rate_scale.numpy()
     assert scale == np.float32(1e-30)
-    assert make_trainer(tmp_path, train_steps=5).learning_rate_scale.numpy() == scale
+    assert make_trainer(model_dir, train_steps=5).learning_rate_scale.numpy() == scale
 
 
 @pytest.mark.slow
-def test_rollbacks_are_bounded_then_the_run_stops(tmp_path, caplog):
-    make_trainer(tmp_path, train_steps=2, steps_per_loop=1).train()
-    trainer = make_trainer(tmp_path, train_steps=5, divergence_rollbacks=2, **DIVERGING)
+def test_rollbacks_are_bounded_then_the_run_stops(two_step_run, tmp_path, caplog):
+    model_dir = copy_run(two_step_run, tmp_path / "run")
+    trainer = make_trainer(model_dir, train_steps=5, divergence_rollbacks=2, **DIVERGING)
     with pytest.raises(TrainerError, match="diverged.*ckpt-2 is kept"):
         trainer.train()
     assert caplog.text.count("rolled back to") == 2
     # Each rollback lowers the rate further, though both return to the same checkpoint.
     assert "(now 0.5 of the schedule)" in caplog.text
     assert "(now 0.25 of the schedule)" in caplog.text
-    assert [os.path.basename(p) for p in checkpoints_on_disk(tmp_path)] == ["ckpt-1", "ckpt-2"]
+    assert [os.path.basename(p) for p in checkpoints_on_disk(model_dir)] == ["ckpt-1", "ckpt-2"]
 
 
 def checkpoints_on_disk(model_dir) -> list[str]:
