@@ -176,8 +176,7 @@ def resolve_auto_policy(
     logging.info("remat policy auto: %s", planner.verdict(plan))
     with gin.unlock_config():
         gin.bind_parameter(name, plan.pick.policy)
-    what = "peak" if plan.pick.measure == "run" else "XLA's plan"
-    planned = f"{plan.pick.label}, {what} {plan.pick.fit_bytes / 2**20:.0f} MiB"
+    planned = f"{plan.pick.label}, {plan.pick.fit_kind} {plan.pick.fit_bytes / 2**20:.0f} MiB"
     return actions.WatchMemoryBudget(budget, planned)
 
 

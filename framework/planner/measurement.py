@@ -96,6 +96,11 @@ class Measurement:
         return self.peak_bytes if self.measure == RUN else self.compiled_step_bytes
 
     @property
+    def fit_kind(self) -> str:
+        """What `fit_bytes` is, in words: "peak" (measured) or "XLA's plan"."""
+        return "peak" if self.measure == RUN else "XLA's plan"
+
+    @property
     def estimated_step_seconds(self) -> float | None:
         if not self.step_flops or not self.peak_flops:
             return None

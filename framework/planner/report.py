@@ -82,10 +82,9 @@ def verdict(plan: Plan) -> str:
     )
     if plan.pick is not None:
         pick = plan.pick
-        what = "peak" if pick.measure == "run" else "XLA's plan"
         speed = "" if pick.measure == "run" else " (estimated from its FLOPs)"
         return (
-            f"pick: remat policy {pick.policy} at batch size {pick.batch_size}: {what} "
+            f"pick: remat policy {pick.policy} at batch size {pick.batch_size}: {pick.fit_kind} "
             f"{format_bytes(pick.fit_bytes)} of a budget of {budget}, "
             f"{pick.examples_per_second:.1f} examples/s{speed}"
         )
@@ -93,10 +92,9 @@ def verdict(plan: Plan) -> str:
     if smallest is None:
         return f"nothing fits in {budget}: no combination could be measured (see the table)"
     over = smallest.fit_bytes - plan.usable_bytes
-    what = "peak" if smallest.measure == "run" else "XLA's plan"
     return (
         f"nothing fits in {budget}: the smallest is remat policy {smallest.policy} at batch "
-        f"size {smallest.batch_size}, {what} {format_bytes(smallest.fit_bytes)}, "
+        f"size {smallest.batch_size}, {smallest.fit_kind} {format_bytes(smallest.fit_bytes)}, "
         f"{format_bytes(over)} over the usable budget "
         f"({smallest.fit_bytes / plan.budget_bytes:.2f}x the budget)"
     )
