@@ -161,11 +161,12 @@ def define_budget_flags(memory_budget_help: str) -> None:
     )
     flags.DEFINE_integer(
         "compile_processes",
-        1,
-        "Processes that read XLA's plans at once, sharing the combinations. Each holds "
-        "the weights and optimizer state in host memory: raise it when the host has that much "
-        "memory and cores to spare.",
-        lower_bound=1,
+        0,
+        "Worker processes that read XLA's plans at once, each holding the weights and the "
+        "optimizer state in host memory. 0 (the default): up to one per CPU core, a second "
+        "started only once the first has shown its peak memory and the host has 1.25 times "
+        "that available.",
+        lower_bound=0,
     )
 
 

@@ -146,6 +146,11 @@ def create_strategy(
     return strategy
 
 
+def device_type(strategy: tf.distribute.Strategy) -> str:
+    """The kind of device the strategy's replicas run on: "CPU", "GPU" or "TPU"."""
+    return tf.DeviceSpec.from_string(strategy.extended.worker_devices[0]).device_type
+
+
 def first_device(strategy: tf.distribute.Strategy) -> str:
     """The first replica's device as memory statistics name it, e.g. "CPU:0" or "TPU:0"."""
     spec = tf.DeviceSpec.from_string(strategy.extended.worker_devices[0])

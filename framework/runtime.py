@@ -99,17 +99,23 @@ class Runtime:
             tpu_node=self.tpu_node,
         )
         if limit and self.strategy != "tpu":  # XLA reads XLA_FLAGS at the first compilation
-            kind = tf.DeviceSpec.from_string(strategy.extended.worker_devices[0]).device_type
+            kind = distribute.device_type(strategy)
             device_bytes = tf_internals.device_memory_bytes(kind) if kind == "GPU" else None
             xla.set_xla_flags(xla.remat_limit_flags(kind, limit, device_bytes)[0])
         keras.config.set_dtype_policy(PRECISIONS[self.precision])
         return strategy
 
-    def peak_flops_per_device(self, strategy: tf.distribute.Strategy) -> tuple[float | None, str]:
-        """The peak FLOP/s of one of the strategy's devices, and where the figure comes from."""
+    def peak_flops_per_device(
+        self, strategy: tf.distribute.Strategy, cpu_flops: float | None = None
+    ) -> tuple[float | None, str]:
+        """The peak FLOP/s of one of the strategy's devices, and where the figure comes from.
+
+        On CPUs it is measured (`flops.measure_cpu_flops`) unless `cpu_flops` gives the figure
+        measured already, as the planner does once before its processes compete for the cores.
+        """
         if self.peak_tflops:
             return self.peak_tflops * 1e12, "Runtime.peak_tflops"
-        kind = tf.DeviceSpec.from_string(strategy.extended.worker_devices[0]).device_type
+        kind = distribute.device_type(strategy)
         if kind == "GPU":
             gpu = tf.config.list_physical_devices("GPU")[0]
             name = tf.config.experimental.get_device_details(gpu).get("device_name", "")
@@ -119,5 +125,6 @@ class Runtime:
             return None, f"no datasheet figure for {name!r}: set Runtime.peak_tflops"
         if kind == "CPU":
             local = len(strategy.extended.worker_devices)  # logical devices share the cores
-            return flops.measure_cpu_flops() / local, "measured float32 matmul on this CPU"
+            measured = cpu_flops or flops.measure_cpu_flops()
+            return measured / local, "measured float32 matmul on this CPU"
         return None, f"{kind} reports no type to TensorFlow: set Runtime.peak_tflops"

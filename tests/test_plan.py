@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from framework import planner
-from framework.planner import Measurement, measurement
+from framework.planner import Measurement
 from tests.subprocesses import REPO_DIR, child_env
 
 pytestmark = pytest.mark.slow  # subprocesses: the full tier only
@@ -178,7 +178,7 @@ def test_compile_only_plans_from_xlas_plan_and_finds_the_budget_fraction(tight_p
         *TINY,
         POLICIES,
         "--measure=compile",
-        "--compile_processes=2",  # one policy each, the search after the second
+        "--compile_processes=2",  # two workers, the search's probes two at a time
         "--safety_margin=0",
         f"--memory_budget={usable}",
         f"--model_dir={tmp_path}",
@@ -205,26 +205,6 @@ def test_compile_only_plans_from_xlas_plan_and_finds_the_budget_fraction(tight_p
     # One peak FLOP/s for every estimate, whichever process measured it.
     assert c_none.peak_flops == c_full.peak_flops == found.peak_flops
     assert plan_json["pick"]["policy"] in (found.policy, "nothing_saveable")
-
-
-def test_the_budget_search_finds_the_largest_fraction_that_fits_in_few_compilations():
-    compiled = []
-
-    def compile_one(policy, batch_size):  # XLA's plan grows with the fraction, in steps
-        compiled.append(policy)
-        fraction = float(policy.removeprefix("budget:"))
-        return Measurement(
-            policy, batch_size, compiled_peak_bytes=1000 + int(1000 * fraction), state_bytes=0
-        )
-
-    found = measurement._search_budget(compile_one, 1700, 8)
-    assert compiled[0] == "budget:1" and len(compiled) == 1 + measurement.BUDGET_SEARCH_STEPS
-    assert 0.7 - 1 / 2**measurement.BUDGET_SEARCH_STEPS < float(found.policy[7:]) <= 0.7
-    compiled.clear()
-    assert measurement._search_budget(compile_one, 2000, 8).policy == "budget:1"
-    assert compiled == ["budget:1"]  # it fits whole: one compilation
-    compiled.clear()
-    assert measurement._search_budget(compile_one, 900, 8).policy == "budget:0"  # nothing fits
 
 
 def step(policy: str, batch: int, seconds: float, peak: int) -> Measurement:

@@ -6,13 +6,13 @@ Two ways to measure, `spec["measure"]`:
 - "run": one combination per process (see `sweep.py`), with `TF_CPU_ALLOCATOR_USE_BFC=true` set
   before TensorFlow starts so the CPU allocator keeps the statistics the peak is read from: the
   step runs, its allocator peak and median time are measured, and XLA's plan is read beside them.
-- "compile": every combination in one process, nothing run: XLA's buffer assignment of one
-  replica's forward and backward pass plus the optimizer's state is the per-device total, and
-  the dot and convolution FLOPs of that program (recomputation included) over the device's peak
-  FLOP/s estimate its time. The weights and the optimizer state are built once (host memory);
-  no activation is ever allocated, so a step far larger than the host can be planned.
-  `spec["budget_search"]` (usable bytes) also bisects the fraction of `remat.policies.
-  MemoryBudget` that fits.
+- "compile": a worker process (`serve_compiled`) that builds the trainer once, then reads
+  combinations from stdin and prints XLA's plan of each, nothing run: XLA's buffer assignment
+  of one replica's forward and backward pass plus the optimizer's state is the per-device
+  total, and the dot and convolution FLOPs of that program (recomputation included) over the
+  device's peak FLOP/s estimate its time. The weights and the optimizer state are built once
+  (host memory); no activation is ever allocated, so a step far larger than the host can be
+  planned. `workers.py` runs these workers, `schedule.py` decides what they compile.
 """
 
 from __future__ import annotations
@@ -23,16 +23,19 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from typing import TextIO
 
 # Failure stages: "config" means the run cannot be built as configured (a user error, the same for
 # every combination); "run" means this combination failed (out of memory, a crash), others
 # may not.
 CONFIG_STAGE = "config"
 RUN_STAGE = "run"
+# A combination left out because another that fits cannot be beaten (`schedule.py`).
+SKIPPED_STAGE = "skipped"
 RUN, COMPILE = "run", "compile"
-# Bisection steps of the budget fraction: the fraction found is within 1/2**steps of the largest
-# that fits (by XLA's plan).
-BUDGET_SEARCH_STEPS = 6
+# What a compile worker prints once its trainer is built, before its first result.
+READY = {"ready": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,28 +227,31 @@ def _state_bytes(optimizer) -> int:
     return sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in optimizer.variables)
 
 
-def measure_compiled(spec: dict):
-    """Yields a compile-only Measurement per (policy, batch size) in `spec["combinations"]`,
-    then (with `spec["budget_search"]`) the largest memory-budget fraction whose plan fits those
-    bytes at `spec["search_batch_size"]`. All in this process: the trainer is built once, with
-    each policy set on its model in turn."""
+def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
+    """A compile worker: builds the configured trainer once, yields `READY`, then for each job
+    line of `jobs` (`{"policy": ..., "batch_size": ...}`) XLA's plan of that combination as a
+    compile-only Measurement's JSON, setting each policy on the model in turn; until `jobs`
+    ends. When the trainer cannot be built, every job gets that config error.
+    `spec["cpu_flops"]`, when given, is the CPU's peak measured by the parent (one figure for
+    every worker's estimates, measured before they compete for the cores)."""
     import tensorflow as tf
 
     from framework import cli, flops, memory, remat, tf_internals, xla
     from framework.trainer import Trainer
 
-    combinations = [tuple(c) for c in spec["combinations"]]
     try:
         cli.parse_gin(spec["files"], spec["bindings"], spec["search_paths"])
         trainer = Trainer(None, remat_policy=None, count_flops=False)
     except Exception as error:  # noqa: BLE001 (any failure to build is the config's)
-        for policy, batch_size in combinations:
-            yield Measurement(policy, batch_size, error=_reason(error), stage=CONFIG_STAGE)
-        return
-    state = _state_bytes(trainer.optimizer)
-    peak, _ = trainer.runtime.peak_flops_per_device(trainer.strategy)
+        trainer, build_error = None, _reason(error)
+    else:
+        state = _state_bytes(trainer.optimizer)
+        peak, _ = trainer.runtime.peak_flops_per_device(trainer.strategy, spec.get("cpu_flops"))
+    yield READY
 
     def compile_one(policy: str, batch_size: int | None) -> Measurement:
+        if trainer is None:
+            return Measurement(policy, batch_size, error=build_error, stage=CONFIG_STAGE)
         batch_size = batch_size or trainer.settings.global_batch_size
         try:
             resolved = remat.get_policy(policy)
@@ -281,35 +287,17 @@ def measure_compiled(spec: dict):
             xla_flags=xla.current_flags(),
         )
 
-    for policy, batch_size in combinations:
-        yield compile_one(policy, batch_size)
-    usable = spec.get("budget_search")
-    if usable:
-        yield _search_budget(compile_one, usable, spec["search_batch_size"])
-
-
-def _search_budget(compile_one, usable_bytes: int, batch_size: int | None) -> Measurement:
-    """The largest memory-budget fraction whose compiled step fits `usable_bytes`, by XLA's
-    plan: 1 when it fits (one compilation), else bisected (or the failure at fraction 0)."""
-    whole = compile_one("budget:1", batch_size)
-    if whole.ok and whole.compiled_step_bytes <= usable_bytes:
-        return whole
-    low, high, best = 0.0, 1.0, None
-    for _ in range(BUDGET_SEARCH_STEPS):
-        middle = (low + high) / 2
-        result = compile_one(f"budget:{middle:g}", batch_size)
-        if result.ok and result.compiled_step_bytes <= usable_bytes:
-            low, best = middle, result
-        else:
-            high = middle
-    return best if best is not None else compile_one("budget:0", batch_size)
+    for line in iter(jobs.readline, ""):
+        if line.strip():
+            job = json.loads(line)
+            yield compile_one(job["policy"], job["batch_size"]).to_json()
 
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
     if spec.get("measure") == COMPILE:
-        for result in measure_compiled(spec):
-            print(json.dumps(result.to_json()), flush=True)
+        for line in serve_compiled(spec, sys.stdin):
+            print(json.dumps(line), flush=True)
         return
     result = measure(spec)
     print(json.dumps(result.to_json()), flush=True)

@@ -10,7 +10,7 @@ import io
 import json
 
 from framework.planner.choose import Plan
-from framework.planner.measurement import Measurement
+from framework.planner.measurement import SKIPPED_STAGE, Measurement
 
 _COLUMNS = (
     "policy",
@@ -34,7 +34,8 @@ def _mib(num_bytes: int | None) -> str:
 def _row(plan: Plan, m: Measurement) -> tuple[str, ...]:
     batch = str(m.batch_size or "config")
     if not m.ok:
-        return (m.policy, batch, "-", "-", "-", "-", "-", "-", f"failed: {m.error}")
+        reason = m.error if m.stage == SKIPPED_STAGE else f"failed: {m.error}"
+        return (m.policy, batch, "-", "-", "-", "-", "-", "-", reason)
     mark = "yes" if plan.fits(m) else "no"
     if m is plan.pick:
         mark = "PICK"
@@ -53,7 +54,8 @@ def _row(plan: Plan, m: Measurement) -> tuple[str, ...]:
 
 
 def table(plan: Plan) -> str:
-    """A fixed-width table, one row per combination; a failure keeps its row, the reason last.
+    """A fixed-width table, one row per combination; a failure or a combination left out
+    (`schedule.py`) keeps its row, the reason last.
 
     "peak" is the allocator's peak of a step that ran and "step adds" what the step allocated
     on top of what was live; "XLA step" is XLA's plan of the forward and backward pass at its

@@ -1,21 +1,13 @@
-"""Runs each (policy, batch size) combination in a fresh Python process and collects the results.
-
-A fresh process per combination because the CPU allocator must be chosen before TensorFlow starts
-(`TF_CPU_ALLOCATOR_USE_BFC=true`), its statistics and XLA's compiled programs belong to the process,
-and a combination that runs out of memory or crashes must take nothing else down with it.
+"""Plans every (policy, batch size) combination of a config and picks one: XLA's plan of each
+from compile workers (`workers.compile_in_workers`, as `schedule.CompileSchedule` hands them
+out), then, when measured by running, each combination in a fresh process of its own.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import json
 import logging
-import os
-import signal
-import subprocess
-import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from framework.planner.choose import Plan, choose
 from framework.planner.measurement import (
@@ -25,6 +17,8 @@ from framework.planner.measurement import (
     RUN_STAGE,
     Measurement,
 )
+from framework.planner.schedule import CompileSchedule
+from framework.planner.workers import compile_in_workers, host_available_bytes, run_child
 
 MEASURES = ("auto", RUN, COMPILE)
 # `auto` runs the combinations when XLA's plan of the largest fits in this fraction of the host's
@@ -48,15 +42,6 @@ class RunConfig:
     search_paths: Sequence[str]
 
 
-def _child_failure(proc: subprocess.CompletedProcess) -> str:
-    if proc.returncode < 0:
-        name = signal.Signals(-proc.returncode).name
-        hint = " (out of host memory?)" if proc.returncode == -signal.SIGKILL else ""
-        return f"killed by {name}{hint}"
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    return f"exit status {proc.returncode}: {lines[-1].strip() if lines else 'no output'}"[:300]
-
-
 def measure_combination(
     config: RunConfig,
     policy: str,
@@ -73,93 +58,43 @@ def measure_combination(
         "batch_size": batch_size,
         "steps": steps,
     }
-    results, failure = _child(spec, timeout)
+    results, failure = run_child(spec, timeout)
     if results:
         return results[-1]
     return Measurement(policy, batch_size, error=failure, stage=RUN_STAGE)
-
-
-def _child(spec: dict, timeout: float) -> tuple[list[Measurement], str | None]:
-    """Runs `framework.planner.measurement` on `spec` in a fresh process: its results (one JSON
-    line each), and what went wrong when it did not end well."""
-    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true")
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    command = [sys.executable, "-m", "framework.planner.measurement", json.dumps(spec)]
-    try:
-        proc = subprocess.run(
-            command, env=env, capture_output=True, text=True, timeout=timeout, check=False
-        )
-    except subprocess.TimeoutExpired:
-        return [], f"timed out after {timeout:.0f} s"
-    results = [
-        Measurement.from_json(json.loads(line))
-        for line in proc.stdout.splitlines()
-        if line.startswith("{")
-    ]
-    return results, None if proc.returncode == 0 else _child_failure(proc)
 
 
 def compile_combinations(
     config: RunConfig,
     policies: Sequence[str],
     batch_sizes: Sequence[int | None],
-    budget_search: int | None,
+    usable_bytes: int,
+    search_budget: bool = False,
+    may_skip: Callable[[Measurement], bool] = lambda baseline: False,
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
-    processes: int = 1,
+    processes: int = 0,
 ) -> list[Measurement]:
-    """XLA's plan of every combination, then the memory-budget fraction that fits
-    `budget_search` bytes when given, in the order listed (the fraction last).
+    """XLA's plan of every combination in the order listed, then (with `search_budget`) the
+    largest memory-budget fraction that fits `usable_bytes` at the last batch size; what
+    `may_skip` lets the schedule leave out comes back as skipped (see `schedule.py`).
 
-    One fresh process compiles them all in turn (see `measurement`), or `processes` at once,
-    the combinations shared round-robin and the search (one compilation when `budget:1` fits,
-    else up to `BUDGET_SEARCH_STEPS` more) after the last process's share, which is never the
-    largest. Each process builds the weights and the optimizer state in host memory, so more
-    processes need that much more.
+    `processes` compile workers at most, each holding the weights and the optimizer state in
+    host memory; 0 chooses by the cores and the memory (`workers.compile_in_workers`).
     """
-    combinations = [(p, b) for b in batch_sizes for p in policies]
-    base = {
+    from framework import flops
+
+    spec = {
         "files": list(config.files),
         "bindings": list(config.bindings),
         "search_paths": list(config.search_paths),
         "measure": COMPILE,
-        "search_batch_size": batch_sizes[-1],
+        # Measured here, before the workers compete for the cores: one figure for every
+        # estimate, so they compare.
+        "cpu_flops": flops.measure_cpu_flops(),
     }
-    groups = max(1, min(processes, len(combinations)))
-    specs = [
-        {**base, "combinations": combinations[i::groups], "budget_search": None}
-        for i in range(groups)
-    ]
-    specs[-1]["budget_search"] = budget_search
-    with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
-        outputs = list(pool.map(lambda spec: _child(spec, timeout), specs))
-    found: dict[tuple[str, int | None], Measurement] = {}
-    searched = []
-    for spec, (results, failure) in zip(specs, outputs, strict=True):
-        asked = [tuple(c) for c in spec["combinations"]]
-        for i, combination in enumerate(asked):
-            found[combination] = (
-                results[i]
-                if i < len(results)
-                else Measurement(*combination, error=failure, stage=RUN_STAGE, measure=COMPILE)
-            )
-        searched += results[len(asked) :]
-    results = [found[c] for c in combinations] + searched
-    # Each process measured the CPU's peak FLOP/s for itself (the others competing for the cores):
-    # the highest is the least disturbed, and one peak for all keeps the estimates comparable.
-    peak = max((m.peak_flops for m in results if m.peak_flops), default=None)
-    return [dataclasses.replace(m, peak_flops=peak) if m.peak_flops else m for m in results]
-
-
-def host_available_bytes() -> int | None:
-    """The memory the host can still give (Linux's MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    schedule = CompileSchedule(policies, batch_sizes, usable_bytes, search_budget, may_skip)
+    compile_in_workers(spec, schedule, processes, timeout)
+    return schedule.results()
 
 
 def make_plan(
@@ -173,17 +108,18 @@ def make_plan(
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
     measure: str = "auto",
     search_budget: bool = True,
-    compile_processes: int = 1,
+    compile_processes: int = 0,
 ) -> Plan:
     """Plans every combination and picks one (see `choose`). `None` as a batch size keeps the
     config's own.
 
-    First XLA's plan of every combination is read (`compile_combinations`, in
-    `compile_processes` processes), with the memory-budget fraction that fits when
-    `search_budget`. With `measure` "compile" that is
-    the plan. With "run" every combination (the fraction found included) then runs, one process
-    at a time (they would skew each other's times); "auto" runs them when XLA's plan of the
-    largest fits the host (`HOST_FRACTION` of its available memory), else plans from XLA alone.
+    First XLA's plan of every combination is read (`compile_combinations`, in at most
+    `compile_processes` workers, 0 for as many as the host's cores and memory allow), with the
+    memory-budget fraction that fits when `search_budget`. With `measure` "compile" that is the
+    plan, and what cannot beat a combination that fits is left out. With "run" every
+    combination (the fraction found included) then runs, one process at a time (they would skew
+    each other's times); "auto" runs them when XLA's plan of the largest fits the host
+    (`HOST_FRACTION` of its available memory), else plans from XLA alone.
 
     Raises:
       ConfigError: when the first combination cannot even be built: the config is wrong, and
@@ -194,6 +130,18 @@ def make_plan(
     if measure not in MEASURES:
         raise ValueError(f"measure must be one of {', '.join(MEASURES)}, got {measure!r}")
     usable = int(budget_bytes * (1 - safety_margin))
+    available = host_available_bytes()
+
+    def fits_host(num_bytes: int) -> bool:
+        return available is None or num_bytes <= HOST_FRACTION * available
+
+    # Leaving combinations out is exact only for the compile measure's estimate. Under "auto", a
+    # no-remat plan too large to run on this host means the plan will be compile-measured.
+    may_skip = {
+        COMPILE: lambda baseline: True,
+        RUN: lambda baseline: False,
+        "auto": lambda baseline: not fits_host(baseline.compiled_step_bytes),
+    }[measure]
     compiled = []
     if measure != RUN or search_budget:
         logging.info("plan: reading XLA's plan of every combination (nothing runs)")
@@ -201,7 +149,9 @@ def make_plan(
             config,
             policies,
             batch_sizes,
-            usable if search_budget else None,
+            usable,
+            search_budget,
+            may_skip,
             timeout,
             compile_processes,
         )
@@ -215,8 +165,7 @@ def make_plan(
         )
     if measure == "auto":
         largest = max((m.compiled_step_bytes for m in compiled if m.ok), default=0)
-        available = host_available_bytes()
-        measure = RUN if available is None or largest <= HOST_FRACTION * available else COMPILE
+        measure = RUN if fits_host(largest) else COMPILE
         logging.info(
             "plan: measure=%s (XLA plans at most %s; the host has %s available)",
             measure,
