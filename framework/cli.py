@@ -156,8 +156,8 @@ def define_budget_flags(memory_budget_help: str) -> None:
     flags.DEFINE_boolean(
         "search_budget",
         True,
-        "Also search the memory-budget policy's fraction that fits (budget:F), by bisection "
-        "on XLA's plan.",
+        "Also search the largest memory-budget policy fraction that fits (budget:F, in steps "
+        "of 0.02) on XLA's plan, one probe per compile worker at a time.",
     )
     flags.DEFINE_integer(
         "compile_processes",

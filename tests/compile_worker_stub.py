@@ -3,7 +3,8 @@ for testing the planner's worker pool on real processes: `python compile_worker_
 
 `spec["stub"]` scripts it: "plans" {policy: [bytes, flops]}, and the policies on which it
 "crash"es (SIGKILL, as the kernel's out-of-memory killer would), "hang"s, or it fails to
-start at all ("start_error": exits with that line on stderr before it is ready). Each
+start at all ("start_error": exits with that line on stderr before it is ready; with
+"only_the_first_starts", only workers after the first do, as on a TPU host). Each
 process appends "PID start" and "PID POLICY" lines to `spec["stub"]["log"]`.
 """
 
@@ -22,8 +23,9 @@ def log(text: str) -> None:
         out.write(f"{os.getpid()} {text}\n")
 
 
+started_before = os.path.exists(stub["log"])
 log("start")
-if stub.get("start_error"):
+if stub.get("start_error") and (started_before or not stub.get("only_the_first_starts")):
     print(stub["start_error"], file=sys.stderr)
     sys.exit(3)
 print(json.dumps({"ready": True}), flush=True)

@@ -207,6 +207,28 @@ def test_compile_only_plans_from_xlas_plan_and_finds_the_budget_fraction(tight_p
     assert plan_json["pick"]["policy"] in (found.policy, "nothing_saveable")
 
 
+def test_a_compile_plan_leaves_out_what_cannot_beat_a_fit(tmp_path):
+    """No remat fits: nothing after it can be faster, so nothing after it is compiled."""
+    result = run_module(
+        "framework.planner",
+        *TINY,
+        "--policies=none,nothing_saveable,random_masks_saveable",
+        "--measure=compile",
+        "--compile_processes=1",  # (with two, the second's result could come in first)
+        "--memory_budget=1GiB",
+        f"--model_dir={tmp_path}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    none, *rest = measurements(json.loads((tmp_path / "plan.json").read_text()))
+    assert none.ok and none.measure == "compile"
+    assert [(m.policy, m.stage) for m in rest] == [
+        ("nothing_saveable", "skipped"),
+        ("random_masks_saveable", "skipped"),
+    ]  # and no budget search row
+    assert "skipped: none fits with the FLOPs of no remat" in result.stdout
+    assert "XLA plans" in result.stderr and "nothing_saveable @ 64: XLA plans" not in result.stderr
+
+
 def step(policy: str, batch: int, seconds: float, peak: int) -> Measurement:
     return Measurement(policy, batch, peak_bytes=peak, live_before_bytes=0, step_seconds=seconds)
 

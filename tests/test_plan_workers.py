@@ -95,6 +95,22 @@ def test_a_worker_that_cannot_start_fails_every_job_with_its_reason_once(stub):
     assert len([what for _, what in lines if what == "start"]) <= 2
 
 
+def test_a_worker_that_cannot_start_beside_another_gives_its_job_back(stub):
+    """As on a TPU host, whose chips take one process: the second worker fails to start, the
+    first compiles everything, and no combination fails for it."""
+    schedule = CompileSchedule(POLICIES, [8], usable_bytes=1000)
+    lines = stub(
+        schedule,
+        processes=2,
+        start_error="TPU in use by another process",
+        only_the_first_starts=True,
+    )
+    assert all(m.ok for m in schedule.results())
+    assert len([what for _, what in lines if what == "start"]) == 2
+    (compiled,) = compiled_by(lines).values()
+    assert sorted(compiled) == sorted(POLICIES)
+
+
 def test_a_worker_left_with_an_unwanted_job_is_stopped_at_once(stub):
     """dots_saveable fits with the FLOPs of no remat: the workers still compiling what comes
     after it are stopped, not waited for."""

@@ -50,12 +50,16 @@ def test_select_keeps_the_most_flops_per_byte_within_the_budget():
         _op("Softmax", [(64, 64)]),
         _op("Add", [(64, 64)]),
     ]
-    read = [True, True, True, True, False]  # the gradient of the Add's consumer reads nothing
+    # No gradient reads the product's output (its consumer is a bias add, say) nor the Add's:
+    # the product is still worth keeping (the recomputation skips it), the Add is not.
+    read = [True, False, True, True, False]
     assert policies.MemoryBudget(0.0).select(ops, read) == {}
-    assert list(policies.MemoryBudget(0.35).select(ops, read)) == [2, 1]  # mask, then product
-    assert list(policies.MemoryBudget(0.7).select(ops, read)) == [2, 1, 0]  # ties: earlier op
-    assert list(policies.MemoryBudget(1.0).select(ops, read)) == [2, 1, 0, 3]  # never the Add
-    whole = sum(policies.kept_bytes(op) for op in ops[:4])
+    # The whole is what the gradients read: the Mul, the mask and the Softmax (33280 bytes).
+    assert list(policies.MemoryBudget(0.55).select(ops, read)) == [2, 1]  # mask, then product
+    assert list(policies.MemoryBudget(1.0).select(ops, read)) == [2, 1, 0]  # ties: earlier op
+    for fraction in np.linspace(0, 1, 11):
+        assert 4 not in policies.MemoryBudget(fraction).select(ops, read)  # never the Add
+    whole = sum(policies.kept_bytes(op) for op, r in zip(ops, read, strict=True) if r)
     for fraction in np.linspace(0, 1, 11):
         kept = policies.MemoryBudget(fraction).select(ops, read)
         assert sum(policies.kept_bytes(ops[i]) for i in kept) <= fraction * whole

@@ -31,6 +31,12 @@ def _mib(num_bytes: int | None) -> str:
     return "-" if num_bytes is None else f"{num_bytes / 2**20:.1f} MiB"
 
 
+def rate(per_second: float) -> str:
+    """A throughput with one decimal, or three significant digits below 1 (a 1 B model's
+    estimate on a CPU is hundredths of an example per second)."""
+    return f"{per_second:.1f}" if per_second >= 1 else f"{per_second:.3g}"
+
+
 def _row(plan: Plan, m: Measurement) -> tuple[str, ...]:
     batch = str(m.batch_size or "config")
     if not m.ok:
@@ -48,7 +54,7 @@ def _row(plan: Plan, m: Measurement) -> tuple[str, ...]:
         _mib(m.compiled_step_bytes),
         _mib(m.compiled_temp_bytes),
         "-" if m.seconds is None else f"{estimated}{m.seconds:.3f}",
-        "-" if m.examples_per_second is None else f"{estimated}{m.examples_per_second:.1f}",
+        "-" if m.examples_per_second is None else f"{estimated}{rate(m.examples_per_second)}",
         mark,
     )
 
@@ -88,7 +94,7 @@ def verdict(plan: Plan) -> str:
         return (
             f"pick: remat policy {pick.policy} at batch size {pick.batch_size}: {pick.fit_kind} "
             f"{format_bytes(pick.fit_bytes)} of a budget of {budget}, "
-            f"{pick.examples_per_second:.1f} examples/s{speed}"
+            f"{rate(pick.examples_per_second)} examples/s{speed}"
         )
     smallest = plan.smallest
     if smallest is None:

@@ -19,6 +19,7 @@ changing the pick:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 
 from framework.planner.measurement import (
@@ -95,8 +96,14 @@ class BudgetSearch:
             self._unassigned = list(points)
         return self._job(self._unassigned.pop(0)) if self._unassigned else None
 
+    def give_back(self, job: Job) -> None:
+        self._unassigned.insert(0, self._point(job))
+
+    def _point(self, job: Job) -> int:
+        return round(float(job.policy.removeprefix(BUDGET_PREFIX)) * self.grid)
+
     def record(self, job: Job, result: Measurement) -> None:
-        point = round(float(job.policy.removeprefix(BUDGET_PREFIX)) * self.grid)
+        point = self._point(job)
         self._round[point] = result
         if point == 0:
             self.at_zero = result
@@ -119,7 +126,7 @@ class CompileSchedule:
     docstring for what is left out).
 
     Args:
-      policies, batch_sizes: the combinations, every policy at each batch size in turn.
+      policy_names, batch_sizes: the combinations, every policy at each batch size in turn.
       usable_bytes: the budget less its margin: what fits.
       search: whether to search the budget fraction (at the last batch size) after them.
       may_skip: given the no-remat result of a batch size, whether the combinations it shows
@@ -174,6 +181,17 @@ class CompileSchedule:
             self._out.add(job)
         return job
 
+    def give_back(self, job: Job) -> None:
+        """Takes back a job handed out that was never compiled (its worker could not start), to
+        hand out again first."""
+        if job not in self._out:
+            return
+        self._out.discard(job)
+        if job.search:
+            self.search.give_back(job)
+        else:
+            self._pending.insert(0, job)
+
     def record(self, job: Job, result: Measurement) -> None:
         """Takes a job's result; a result for a job left out meanwhile is dropped."""
         if job not in self._out:
@@ -207,19 +225,34 @@ class CompileSchedule:
             f"skipped: {first.policy} fits with the FLOPs of no remat, which nothing listed "
             "after it can beat"
         )
-        for job in self.jobs[self.jobs.index(first) + 1 :]:
-            if job.batch_size == batch_size and job not in self._results:
-                self._results[job] = Measurement(  # the batch size compiled, not None
-                    job.policy,
-                    baseline.batch_size,
-                    error=reason,
-                    stage=SKIPPED_STAGE,
-                    measure=COMPILE,
-                )
-                self._out.discard(job)
-                if job in self._pending:
-                    self._pending.remove(job)
-        if self.search is not None and self.search.batch_size == batch_size:
+        left_out = [
+            job
+            for job in self.jobs[self.jobs.index(first) + 1 :]
+            if job.batch_size == batch_size and job not in self._results
+        ]
+        search_left = (
+            self.search is not None
+            and self.search.batch_size == batch_size
+            and not self._search_skipped
+        )
+        if left_out or search_left:
+            logging.info(
+                "plan: %s fits with the FLOPs of no remat: leaving out %s",
+                first.policy,
+                ", ".join([job.policy for job in left_out] + ["the budget search"] * search_left),
+            )
+        for job in left_out:
+            self._results[job] = Measurement(  # the batch size compiled, not None
+                job.policy,
+                baseline.batch_size,
+                error=reason,
+                stage=SKIPPED_STAGE,
+                measure=COMPILE,
+            )
+            self._out.discard(job)
+            if job in self._pending:
+                self._pending.remove(job)
+        if search_left:
             self._search_skipped = True
             self._out = {job for job in self._out if not job.search}
 

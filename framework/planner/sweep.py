@@ -157,12 +157,6 @@ def make_plan(
         )
     if compiled and compiled[0].stage == CONFIG_STAGE:
         raise ConfigError(f"cannot build the run: {compiled[0].error}")
-    for result in compiled:
-        logging.info(
-            "plan: %s: XLA plans %s per device",
-            result.label,
-            format_bytes(result.compiled_step_bytes) if result.ok else f"nothing ({result.error})",
-        )
     if measure == "auto":
         largest = max((m.compiled_step_bytes for m in compiled if m.ok), default=0)
         measure = RUN if fits_host(largest) else COMPILE

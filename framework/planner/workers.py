@@ -106,14 +106,15 @@ class _Worker:
         )
         self.ready = False
         self.job: Job | None = None
-        self.deadline = float("inf")
+        self.deadline = self.sent = float("inf")
         self._buffer = b""
 
     def send(self, job: Job, timeout: float) -> None:
         line = json.dumps({"policy": job.policy, "batch_size": job.batch_size})
         self.proc.stdin.write(line.encode() + b"\n")
         self.proc.stdin.flush()
-        self.job, self.deadline = job, time.monotonic() + timeout
+        self.sent = time.monotonic()
+        self.job, self.deadline = job, self.sent + timeout
 
     def read(self) -> list[dict] | None:
         """The JSON lines that arrived, or None when the process closed its output (ended)."""
@@ -187,10 +188,11 @@ def compile_in_workers(
 
     `processes` workers at most; 0 means as many as there are cores, added one at a time while
     the host has the memory one more needs (see `_Pool`). A job that fails, crashes its worker
-    or runs over `timeout` seconds becomes a failed result and the worker is replaced; a worker
-    that ends before its trainer is built fails every job left with its reason, since the next
-    would too.
-    Workers whose jobs are no longer wanted are stopped at once.
+    or runs over `timeout` seconds becomes a failed result and the worker is replaced. A worker
+    that ends before its trainer is built starts no other: its job goes to the workers still
+    running (a TPU host's chips take one process), or with none left every job fails with its
+    reason, since the next worker would fail alike. Workers whose jobs are no longer wanted are
+    stopped at once.
     """
     automatic = processes == 0
     pool = _Pool(spec, usable_cores() if automatic else processes, automatic)
@@ -219,15 +221,15 @@ def compile_in_workers(
 def _hand_out(pool: _Pool, schedule: CompileSchedule, selector, timeout: float) -> None:
     """Gives every idle worker a job, starting workers while jobs are left and the pool may
     grow; drops the jobs of workers whose results are no longer wanted."""
-    for worker in pool.workers:
+    for worker in list(pool.workers):
         if worker.job is not None and worker.job not in schedule.busy_jobs:
             _end(pool, schedule, selector, worker, None)
     while True:
         idle = [w for w in pool.workers if w.job is None]
-        width = len(pool.workers) + (1 if pool.may_grow() else 0)
-        if not idle and not pool.may_grow():
+        grow = pool.may_grow()
+        if not idle and not grow:
             return
-        job = schedule.next_job(width)
+        job = schedule.next_job(len(pool.workers) + grow)
         if job is None:
             return
         worker = idle[0] if idle else pool.add()
@@ -248,8 +250,17 @@ def _receive(pool: _Pool, schedule: CompileSchedule, selector, worker: _Worker) 
             pool.built_peak_bytes = max(pool.built_peak_bytes, peak)
         elif worker.job is not None:
             job, worker.job = worker.job, None
-            schedule.record(job, Measurement.from_json(line))
+            result = Measurement.from_json(line)
+            _log_result(result, time.monotonic() - worker.sent)
+            schedule.record(job, result)
             pool.compiled_peak_bytes = max(pool.compiled_peak_bytes, peak)
+
+
+def _log_result(result: Measurement, seconds: float) -> None:
+    from framework.memory import format_bytes
+
+    planned = format_bytes(result.compiled_step_bytes) if result.ok else f"nothing ({result.error})"
+    logging.info("plan: %s: XLA plans %s per device (%.0f s)", result.label, planned, seconds)
 
 
 def _end(pool: _Pool, schedule, selector, worker: _Worker, failure: str | None) -> None:
@@ -260,11 +271,16 @@ def _end(pool: _Pool, schedule, selector, worker: _Worker, failure: str | None) 
         worker.proc.kill()
     worker.stop()
     pool.workers.remove(worker)
-    if job is not None and failure is not None:
-        schedule.record(job, _failed(job, failure))
-        if not ready:
-            pool.startup_failure = failure
-        logging.info("plan: compile worker ended: %s", failure)
+    if job is None or failure is None:
+        return
+    if not ready:
+        pool.startup_failure = failure
+        logging.info("plan: a compile worker could not start: %s", failure)
+        if pool.workers:  # the others compile it (a TPU, e.g., takes one process only)
+            schedule.give_back(job)
+            return
+    _log_result(_failed(job, failure), time.monotonic() - worker.sent)
+    schedule.record(job, _failed(job, failure))
 
 
 def _failed(job: Job, failure: str) -> Measurement:

@@ -205,6 +205,11 @@ def _contracted(op: OpInfo) -> int:
     return 1
 
 
+def _is_product(op: OpInfo) -> bool:
+    """A matrix product or a convolution."""
+    return op.op_type in DOT_OPS or op.op_type.startswith("Conv")
+
+
 def recompute_flops(op: OpInfo) -> int:
     """What recomputing `op` costs, roughly: 2 x values x contracted size for a matrix product or
     convolution (exact), a random value's draw, one FLOP per value otherwise; nothing for a
@@ -213,7 +218,7 @@ def recompute_flops(op: OpInfo) -> int:
     if op.op_type in LAYOUT_OPS or not all(d.is_floating or d == tf.bool for d in op.dtypes):
         return 0
     values = sum(_elements(shape) for shape in op.shapes)
-    if op.op_type in DOT_OPS or op.op_type.startswith("Conv"):
+    if _is_product(op):
         return 2 * values * _contracted(op)
     if random_masks_saveable(op):
         return RANDOM_FLOPS_PER_VALUE * values
@@ -316,13 +321,15 @@ class MemoryBudget:
 
     PyTorch's `activation_memory_budget` for TensorFlow, per region. Without remat the backward
     pass holds the values its gradients read (a product's inputs, a softmax's output, ...: see
-    `gradient_reads`); their bytes are the budget's whole. Of those values, and of the dropout
-    masks (kept as bits, sparing the random draw), the ones whose recomputation costs the most
+    `gradient_reads`); their bytes are the budget's whole. Of those values, of the dropout masks
+    (kept as bits, sparing the random draw) and of the products (read or not: a product's
+    output usually feeds a bias add or a reshape, which the gradient reads, and recomputing
+    those from a kept product is cheap), the ones whose recomputation costs the most
     FLOPs per byte kept (masks first, at a bit a value, then matrix products, then elementwise
     work) are kept in that order while their bytes stay within `fraction` of the whole; a value
     that does not fit is passed over for smaller ones after it. A value whose recomputation
     costs nothing (a reshape, an integer shape) is never kept. 0 keeps nothing (as
-    `nothing_saveable`); 1 keeps about what no remat holds. The pick depends on the region's ops
+    `nothing_saveable`); 1 keeps what the whole pays for. The pick depends on the region's ops
     alone (ties go to the earlier op), so the same model always keeps the same values, and
     `print_saved_residuals` names each kept value with its FLOPs per byte. The FLOP count is per
     op: it ignores that keeping a value can also spare recomputing what only it needed.
@@ -356,7 +363,7 @@ class MemoryBudget:
         costs = [kept_bytes(op) for op in ops]
         budget = self.fraction * sum(cost for cost, r in zip(costs, read, strict=True) if r)
         ratios = [
-            recompute_flops(op) / max(cost, 1) if r or random_masks_saveable(op) else 0.0
+            recompute_flops(op) / max(cost, 1) if r or _worth_keeping_unread(op) else 0.0
             for op, cost, r in zip(ops, costs, read, strict=True)
         ]
         kept: dict[int, float] = {}
@@ -366,6 +373,14 @@ class MemoryBudget:
                 kept[i] = ratios[i]
                 spent += costs[i]
         return kept
+
+
+def _worth_keeping_unread(op: OpInfo) -> bool:
+    """Whether keeping `op`'s outputs pays although no gradient reads them: a dropout mask (its
+    redraw) or a product (the recomputation then skips it: the elementwise op after a matmul,
+    e.g. a bias add, is what the gradient reads, and recomputing it from the kept product costs
+    next to nothing, as `dots_saveable` does)."""
+    return random_masks_saveable(op) or _is_product(op)
 
 
 def memory_budget(fraction: float) -> MemoryBudget:
