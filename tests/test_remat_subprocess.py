@@ -69,7 +69,7 @@ def _memory() -> dict:
 
     from framework import memory, remat
 
-    blocks, x = _stack(tf, keras, n=8, d=64, seq=128, batch=8)
+    blocks, x = _stack(tf, keras, n=6, d=64, seq=128, batch=8)  # full remat: 0.13 of no remat
     variables = [v for blk in blocks for v in blk.trainable_variables]
     peaks = {}
     for policy in ("everything_saveable", "nothing_saveable", "dots"):
