@@ -163,9 +163,9 @@ def define_budget_flags(memory_budget_help: str) -> None:
         "compile_processes",
         0,
         "Worker processes that read XLA's plans at once, each holding the weights and the "
-        "optimizer state in host memory. 0 (the default): up to one per CPU core, a second "
-        "started only once the first has shown its peak memory and the host has 1.25 times "
-        "that available.",
+        "optimizer state in host memory. 0 (the default): up to one per CPU core, each next one "
+        "started once the others are ready and the host has twice a worker's peak memory "
+        "available (1.25 times, once one has compiled).",
         lower_bound=0,
     )
 

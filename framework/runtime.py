@@ -105,14 +105,8 @@ class Runtime:
         keras.config.set_dtype_policy(PRECISIONS[self.precision])
         return strategy
 
-    def peak_flops_per_device(
-        self, strategy: tf.distribute.Strategy, cpu_flops: float | None = None
-    ) -> tuple[float | None, str]:
-        """The peak FLOP/s of one of the strategy's devices, and where the figure comes from.
-
-        On CPUs it is measured (`flops.measure_cpu_flops`) unless `cpu_flops` gives the figure
-        measured already, as the planner does once before its processes compete for the cores.
-        """
+    def peak_flops_per_device(self, strategy: tf.distribute.Strategy) -> tuple[float | None, str]:
+        """The peak FLOP/s of one of the strategy's devices, and where the figure comes from."""
         if self.peak_tflops:
             return self.peak_tflops * 1e12, "Runtime.peak_tflops"
         kind = distribute.device_type(strategy)
@@ -125,6 +119,5 @@ class Runtime:
             return None, f"no datasheet figure for {name!r}: set Runtime.peak_tflops"
         if kind == "CPU":
             local = len(strategy.extended.worker_devices)  # logical devices share the cores
-            measured = cpu_flops or flops.measure_cpu_flops()
-            return measured / local, "measured float32 matmul on this CPU"
+            return flops.measure_cpu_flops() / local, "measured float32 matmul on this CPU"
         return None, f"{kind} reports no type to TensorFlow: set Runtime.peak_tflops"

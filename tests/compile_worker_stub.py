@@ -3,11 +3,13 @@ for testing the planner's worker pool on real processes: `python compile_worker_
 
 `spec["stub"]` scripts it: "plans" {policy: [bytes, flops]}, and the policies on which it
 "crash"es (SIGKILL, as the kernel's out-of-memory killer would), "hang"s, or it fails to
-start at all ("start_error": exits with that line on stderr before it is ready; with
-"only_the_first_starts", only workers after the first do, as on a TPU host). Each
+start at all ("start_error": exits with that line on stderr before it is ready), or not
+while another holds "device_lock" (a file it locks, as a TPU host's chips take one process).
+It also prints a stray line, as a model might. Each
 process appends "PID start" and "PID POLICY" lines to `spec["stub"]["log"]`.
 """
 
+import fcntl
 import json
 import os
 import signal
@@ -23,11 +25,18 @@ def log(text: str) -> None:
         out.write(f"{os.getpid()} {text}\n")
 
 
-started_before = os.path.exists(stub["log"])
 log("start")
-if stub.get("start_error") and (started_before or not stub.get("only_the_first_starts")):
+if stub.get("start_error"):
     print(stub["start_error"], file=sys.stderr)
     sys.exit(3)
+if stub.get("device_lock"):  # one process at a time, as a TPU host's chips
+    device = open(stub["device_lock"], "w")  # noqa: SIM115 (held until the process ends)
+    try:
+        fcntl.flock(device, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        print("the TPU is in use by another process", file=sys.stderr)
+        sys.exit(3)
+print("{a line a model printed, not json", flush=True)
 print(json.dumps({"ready": True}), flush=True)
 for line in iter(sys.stdin.readline, ""):
     job = json.loads(line)

@@ -2,6 +2,7 @@
 are given as (bytes, FLOPs) per policy, so every rule is checked without compiling; the same
 rules on real workers and a real config are in test_plan_workers.py and test_plan.py."""
 
+import dataclasses
 import itertools
 import random
 
@@ -10,7 +11,7 @@ import pytest
 from framework import planner
 from framework.planner import Measurement
 from framework.planner.measurement import COMPILE, CONFIG_STAGE, SKIPPED_STAGE
-from framework.planner.schedule import BUDGET_GRID, BudgetSearch, CompileSchedule
+from framework.planner.schedule import CompileSchedule
 
 POLICIES = [
     "none",
@@ -83,24 +84,19 @@ def test_the_search_returns_the_failure_at_zero_when_nothing_fits():
     assert found.compiled_step_bytes == 1000 > 900
 
 
-def test_search_points_lie_on_the_grid():
-    search = BudgetSearch(usable_bytes=1234, batch_size=8)
-    seen = []
-    while not search.done:
-        job = search.next_job(width=2)
-        seen.append(job.policy)
-        search.record(job, budget_plan(job.policy, 8))
-    for policy in seen:
-        fraction = float(policy.removeprefix("budget:"))
-        assert fraction * BUDGET_GRID == pytest.approx(round(fraction * BUDGET_GRID))
+def plans(table: dict[str, tuple[int, float]], efficiency: dict[int, float] | None = None):
+    """Plans from (bytes, FLOPs) at batch size 8, both growing with the batch; `efficiency`
+    scales every FLOP count of a batch size alike (a larger batch may be faster per example)."""
 
-
-def plans(table: dict[str, tuple[int, float]]):
     def plan(policy: str, batch_size: int) -> Measurement:
+        scale = (efficiency or {}).get(batch_size, 1.0)
         if policy.startswith("budget:"):
-            return budget_plan(policy, batch_size)
+            m = budget_plan(policy, batch_size)
+            return dataclasses.replace(m, step_flops=m.step_flops * scale)
         num_bytes, flops = table[policy]
-        return compiled(policy, batch_size, num_bytes * batch_size // 8, flops * batch_size / 8)
+        return compiled(
+            policy, batch_size, num_bytes * batch_size // 8, flops * batch_size / 8 * scale
+        )
 
     return plan
 
@@ -144,7 +140,9 @@ def test_the_pick_is_the_same_as_compiling_everything():
         for policy in POLICIES[1:]:
             extra = rng.choice([0.0, rng.uniform(5, 40)])
             table[policy] = (int(base * rng.uniform(0.1, 1.1)), 100.0 + extra)
-        plan = plans(table)
+        # Per example, batch 16 is up to 6% slower or faster than 8: within the tie tolerance
+        # or just beyond it.
+        plan = plans(table, {16: rng.uniform(0.94, 1.06)})
         usable = int(rng.uniform(100, 2500))
         budget = usable / 0.9 + 1
         full = CompileSchedule(POLICIES, batch_sizes, usable, search=True)

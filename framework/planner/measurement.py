@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -231,9 +232,8 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
     """A compile worker: builds the configured trainer once, yields `READY`, then for each job
     line of `jobs` (`{"policy": ..., "batch_size": ...}`) XLA's plan of that combination as a
     compile-only Measurement's JSON, setting each policy on the model in turn; until `jobs`
-    ends. When the trainer cannot be built, every job gets that config error.
-    `spec["cpu_flops"]`, when given, is the CPU's peak measured by the parent (one figure for
-    every worker's estimates, measured before they compete for the cores)."""
+    ends. When the trainer cannot be built, every job gets that config error. A CPU's peak
+    FLOP/s is measured before `READY`, so before the parent starts another worker."""
     import tensorflow as tf
 
     from framework import cli, flops, memory, remat, tf_internals, xla
@@ -246,7 +246,7 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
         trainer, build_error = None, _reason(error)
     else:
         state = _state_bytes(trainer.optimizer)
-        peak, _ = trainer.runtime.peak_flops_per_device(trainer.strategy, spec.get("cpu_flops"))
+        peak, _ = trainer.runtime.peak_flops_per_device(trainer.strategy)
     yield READY
 
     def compile_one(policy: str, batch_size: int | None) -> Measurement:
@@ -296,8 +296,13 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
 def main() -> None:
     spec = json.loads(sys.argv[1])
     if spec.get("measure") == COMPILE:
+        # The protocol keeps stdout's pipe to itself: anything else written there (TensorFlow,
+        # a model that prints) goes to stderr instead.
+        protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
         for line in serve_compiled(spec, sys.stdin):
-            print(json.dumps(line), flush=True)
+            protocol.write(json.dumps(line) + "\n")
+            protocol.flush()
         return
     result = measure(spec)
     print(json.dumps(result.to_json()), flush=True)

@@ -81,20 +81,20 @@ def compile_combinations(
     `processes` compile workers at most, each holding the weights and the optimizer state in
     host memory; 0 chooses by the cores and the memory (`workers.compile_in_workers`).
     """
-    from framework import flops
-
     spec = {
         "files": list(config.files),
         "bindings": list(config.bindings),
         "search_paths": list(config.search_paths),
         "measure": COMPILE,
-        # Measured here, before the workers compete for the cores: one figure for every
-        # estimate, so they compare.
-        "cpu_flops": flops.measure_cpu_flops(),
     }
     schedule = CompileSchedule(policies, batch_sizes, usable_bytes, search_budget, may_skip)
     compile_in_workers(spec, schedule, processes, timeout)
-    return schedule.results()
+    results = schedule.results()
+    # Each worker measured a CPU's peak for itself (this process starts no device: on a GPU or
+    # TPU host it would claim the accelerators): the highest is the least disturbed, and one
+    # figure for all keeps the estimates comparable.
+    peak = max((m.peak_flops for m in results if m.peak_flops), default=None)
+    return [dataclasses.replace(m, peak_flops=peak) if m.peak_flops else m for m in results]
 
 
 def make_plan(

@@ -109,27 +109,46 @@ class _Worker:
         self.deadline = self.sent = float("inf")
         self._buffer = b""
 
-    def send(self, job: Job, timeout: float) -> None:
+    def send(self, job: Job, timeout: float) -> bool:
+        """Hands the worker `job`; False when the process is gone (its input is closed)."""
         line = json.dumps({"policy": job.policy, "batch_size": job.batch_size})
-        self.proc.stdin.write(line.encode() + b"\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(line.encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError:
+            return False
         self.sent = time.monotonic()
         self.job, self.deadline = job, self.sent + timeout
+        return True
 
     def read(self) -> list[dict] | None:
-        """The JSON lines that arrived, or None when the process closed its output (ended)."""
+        """The protocol's lines that arrived (JSON objects), or None when the process closed its
+        output (it ended). Anything else on the pipe is skipped."""
         data = os.read(self.proc.stdout.fileno(), 1 << 16)
         if not data:
             return None
         self._buffer += data
         *lines, self._buffer = self._buffer.split(b"\n")
-        return [json.loads(line) for line in lines if line.startswith(b"{")]
+        messages = []
+        for line in lines:
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(message, dict):
+                messages.append(message)
+        return messages
 
     def peak_resident_bytes(self) -> int | None:
         return _meminfo_bytes(f"/proc/{self.proc.pid}/status", "VmHWM:")
 
     def failure(self) -> str:
-        self.proc.wait()
+        """Why the process ended (killing it when it has not after closing its output)."""
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self._stderr.seek(0)
         return failure_message(self.proc.returncode, self._stderr.read().decode(errors="replace"))
 
@@ -141,16 +160,21 @@ class _Worker:
             self.proc.stdin.close()
         except OSError:
             pass
-        self.proc.wait()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self.proc.stdout.close()
         self._stderr.close()
 
 
 @dataclasses.dataclass
 class _Pool:
-    """The workers and the rule for adding one: `processes` at most; with `automatic`, one more
-    only once a worker has shown its peak memory (`MEMORY_HEADROOM`, `BUILT_HEADROOM`) and the
-    host has that much available."""
+    """The workers and the rule for adding one: `processes` at most. With `automatic`, one more
+    only while every worker is ready (so the memory read counts what each holds) and the host
+    has `MEMORY_HEADROOM` times a worker's peak available (`BUILT_HEADROOM` before any has
+    compiled). A worker that cannot start beside the others caps `processes` at those."""
 
     spec: dict
     processes: int
@@ -165,12 +189,12 @@ class _Pool:
             return False
         if not self.workers or not self.automatic:
             return True
+        if not all(w.ready for w in self.workers):
+            return False
         if self.compiled_peak_bytes:
             needed = MEMORY_HEADROOM * self.compiled_peak_bytes
-        elif self.built_peak_bytes:
-            needed = BUILT_HEADROOM * self.built_peak_bytes
         else:
-            return False  # no worker has built its trainer yet
+            needed = BUILT_HEADROOM * self.built_peak_bytes
         available = host_available_bytes()
         return available is not None and available >= needed
 
@@ -188,11 +212,11 @@ def compile_in_workers(
 
     `processes` workers at most; 0 means as many as there are cores, added one at a time while
     the host has the memory one more needs (see `_Pool`). A job that fails, crashes its worker
-    or runs over `timeout` seconds becomes a failed result and the worker is replaced. A worker
-    that ends before its trainer is built starts no other: its job goes to the workers still
-    running (a TPU host's chips take one process), or with none left every job fails with its
-    reason, since the next worker would fail alike. Workers whose jobs are no longer wanted are
-    stopped at once.
+    or runs over `timeout` seconds (a worker's first job includes building its trainer) becomes a
+    failed result and the worker is replaced. A worker that ends before its trainer is built,
+    beside others, gives its job back and caps the pool at those (a TPU host's chips take one
+    process); alone, it fails every job left with its reason, since the next would fail alike.
+    Workers whose jobs are no longer wanted are stopped at once.
     """
     automatic = processes == 0
     pool = _Pool(spec, usable_cores() if automatic else processes, automatic)
@@ -232,10 +256,14 @@ def _hand_out(pool: _Pool, schedule: CompileSchedule, selector, timeout: float) 
         job = schedule.next_job(len(pool.workers) + grow)
         if job is None:
             return
-        worker = idle[0] if idle else pool.add()
-        if not idle:
+        if idle:
+            worker = idle[0]
+        else:
+            worker = pool.add()
             selector.register(worker.proc.stdout, selectors.EVENT_READ, worker)
-        worker.send(job, timeout)
+        if not worker.send(job, timeout):  # it ended while idle: the next takes the job
+            schedule.give_back(job)
+            _end(pool, schedule, selector, worker, None)
 
 
 def _receive(pool: _Pool, schedule: CompileSchedule, selector, worker: _Worker) -> None:
@@ -265,20 +293,24 @@ def _log_result(result: Measurement, seconds: float) -> None:
 
 def _end(pool: _Pool, schedule, selector, worker: _Worker, failure: str | None) -> None:
     """Stops a worker; its job, if any, fails with `failure` (None: no longer wanted)."""
+    if worker not in pool.workers:  # ended already (its output closed, then its deadline)
+        return
     job, ready = worker.job, worker.ready
     selector.unregister(worker.proc.stdout)
     if failure is not None:
         worker.proc.kill()
     worker.stop()
+    worker.job = None
     pool.workers.remove(worker)
     if job is None or failure is None:
         return
     if not ready:
-        pool.startup_failure = failure
         logging.info("plan: a compile worker could not start: %s", failure)
         if pool.workers:  # the others compile it (a TPU, e.g., takes one process only)
+            pool.processes = len(pool.workers)
             schedule.give_back(job)
             return
+        pool.startup_failure = failure
     _log_result(_failed(job, failure), time.monotonic() - worker.sent)
     schedule.record(job, _failed(job, failure))
 
