@@ -144,11 +144,7 @@ class _Worker:
 
     def failure(self) -> str:
         """Why the process ended (killing it when it has not after closing its output)."""
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        self._reap()
         self._stderr.seek(0)
         return failure_message(self.proc.returncode, self._stderr.read().decode(errors="replace"))
 
@@ -160,13 +156,17 @@ class _Worker:
             self.proc.stdin.close()
         except OSError:
             pass
+        self._reap()
+        self.proc.stdout.close()
+        self._stderr.close()
+
+    def _reap(self) -> None:
+        """Waits for the process to end, killing it when it has not within 10 s."""
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        self.proc.stdout.close()
-        self._stderr.close()
 
 
 @dataclasses.dataclass
@@ -311,8 +311,9 @@ def _end(pool: _Pool, schedule, selector, worker: _Worker, failure: str | None) 
             schedule.give_back(job)
             return
         pool.startup_failure = failure
-    _log_result(_failed(job, failure), time.monotonic() - worker.sent)
-    schedule.record(job, _failed(job, failure))
+    result = _failed(job, failure)
+    _log_result(result, time.monotonic() - worker.sent)
+    schedule.record(job, result)
 
 
 def _failed(job: Job, failure: str) -> Measurement:
