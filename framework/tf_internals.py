@@ -16,6 +16,7 @@ build) should still be able to import the framework and run the tests that vouch
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import warnings
 from collections.abc import Callable
@@ -174,6 +175,38 @@ def outermost(tensor):
             return tensor
 
 
+def pass_eager_captures_through_loop(graph: tf.Graph) -> None:
+    """Lets the gradient body of a `tf.while_loop` (`graph`) use the eager tensors it captured.
+
+    Code that reads a variable or an eager tensor directly (a recomputation does) captures the
+    eager value by value, but a loop's gradient body takes only captures of graph tensors that
+    it registered as loop invariants (else "... is in list of internal_captures but not in
+    internal_capture_to_output"). This re-keys each such capture to the same value seen from
+    the enclosing graph, and registers it as the body registers other outer tensors. No-op for
+    any other graph.
+    """
+    registered = getattr(graph, "internal_capture_to_output", None)
+    if registered is None:
+        return
+    from tensorflow.python.framework import ops
+
+    captures = graph._function_captures
+    for external, internal in list(graph.captures):
+        if isinstance(external, ops.EagerTensor):
+            outer = _seen_from(external, graph.outer_graph)
+            captures.pop(id(external))
+            captures.add_or_replace(key=id(outer), external=outer, internal=internal)
+            registered[ops.tensor_id(internal)] = internal
+
+
+def _seen_from(tensor, graph: tf.Graph):
+    """An eager tensor as `graph` sees it, through the gradient bodies of loops around it."""
+    pass_through = getattr(graph, "internal_capture_to_output", None) is not None
+    if pass_through and getattr(graph, "outer_graph", None) is not None:
+        return graph.capture(_seen_from(tensor, graph.outer_graph))
+    return graph.capture(tensor) if hasattr(graph, "capture") else tensor
+
+
 def trace_function(python_function: Callable, *tensors) -> tf.types.experimental.ConcreteFunction:
     """Traces `python_function(*tensors)` into a new concrete function, every time it is called.
 
@@ -189,6 +222,82 @@ def trace_function(python_function: Callable, *tensors) -> tf.types.experimental
 def flatten_layers(layer, recursive: bool) -> list:
     """The sub-layers of a Keras layer (direct children, or all descendants)."""
     return list(layer._flatten_layers(include_self=False, recursive=recursive))
+
+
+# Keras 3 keeps what a layer call hands down to the layers it calls in thread-local state that
+# `Layer.__call__` sets up: the call context (`training` and any other call-context argument a
+# layer registers), the autocast dtype of mixed precision, and the stack of name scopes of the
+# layers being called. A recomputation runs a layer's `call` after that call has returned, so
+# remat captures this state in the forward pass and puts it back around the recomputation.
+
+
+@dataclasses.dataclass(frozen=True)
+class KerasCallState:
+    """Keras' call state at one moment: `context` holds the call-context arguments as sorted
+    (name, value) pairs, or is None when no layer call is active; `autocast` is the dtype
+    variables are read in (mixed precision), or None."""
+
+    context: tuple | None
+    autocast: str | None
+
+
+def keras_call_state() -> KerasCallState:
+    """The Keras call state of this thread, as the next op sees it."""
+    from keras.src.backend.common import global_state
+
+    context = global_state.get_global_attribute("current_call_ctx")
+    if context is not None:
+        context = tuple(sorted((k, v) for k, v in vars(context).items() if k != "entry_layer"))
+    autocast = global_state.get_global_attribute("autocast_scope")
+    return KerasCallState(context, getattr(autocast, "dtype", None))
+
+
+@contextlib.contextmanager
+def keras_call_state_entered(state: KerasCallState):
+    """Runs the block in `state`, as if inside the layer call it was captured in; the state
+    before comes back afterwards. Layers called in the block take `training` from it, and none
+    of them ends the call context (its entry layer is none of theirs)."""
+    from keras.src.backend.common import global_state
+    from keras.src.backend.common.variables import AutocastScope
+    from keras.src.layers.layer import CallContext
+
+    previous = {
+        name: global_state.get_global_attribute(name)
+        for name in ("current_call_ctx", "autocast_scope")
+    }
+    context = None
+    if state.context is not None:
+        context = CallContext(entry_layer=None)
+        for name, value in state.context:
+            context.set_value(name, value)
+    global_state.set_global_attribute("current_call_ctx", context)
+    autocast = None if state.autocast is None else AutocastScope(state.autocast)
+    global_state.set_global_attribute("autocast_scope", autocast)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            global_state.set_global_attribute(name, value)
+
+
+def keras_layer_path() -> tuple[str, ...]:
+    """The names of the Keras layers being called in this thread, outermost first."""
+    from keras.src.backend.common import global_state
+
+    stack = global_state.get_global_attribute("name_scope_stack") or ()
+    return tuple(scope.name for scope in stack)
+
+
+def keras_mask(tensor):
+    """The Keras mask attached to `tensor` (`Embedding(mask_zero=True)`, `Masking`), or None."""
+    return getattr(tensor, "_keras_mask", None)
+
+
+def set_keras_mask(tensor, mask) -> None:
+    """Attaches `mask` to `tensor` as Keras layers attach and read it."""
+    from keras.src.backend.common.masking import set_keras_mask as set_mask
+
+    set_mask(tensor, mask)
 
 
 def is_jit_compiled(function: Callable) -> bool:

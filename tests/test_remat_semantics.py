@@ -398,7 +398,161 @@ def test_tf_function_first_traced_inside_a_region(mode):
     check(mode, "nothing_saveable", make, [rand(3, 4)])
 
 
-# 6. Smaller semantic cases.
+# 6. Regions inside loop bodies: a user's own scan over layers.
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("loop", ["scan", "while_loop"])
+@pytest.mark.parametrize("order", [1, 2])
+def test_region_inside_a_loop_body_closing_over_a_tensor_and_a_variable(mode, loop, order):
+    w = tf.Variable(rand(4, 4, seed=4))
+    drop = keras.layers.Dropout(0.3, seed=6)
+
+    def make(wrap):
+        def loss(xs, c):
+            layer = wrap(lambda h: tf.tanh(drop(tf.linalg.matvec(w, h) + c, training=True)))
+            if loop == "scan":
+                out = tf.scan(lambda acc, row: layer(acc + row), xs, tf.ones([4]))
+            else:
+                step = lambda i, h: (i + 1, layer(h + xs[i]))  # noqa: E731
+                out = tf.while_loop(lambda i, h: i < 3, step, (0, xs[0]), maximum_iterations=3)[1]
+            return tf.reduce_sum(out**2)
+
+        return loss
+
+    def gradients(wrap):
+        def run(xs, c):
+            with tf.GradientTape() as outer:
+                outer.watch([xs, c])
+                with tf.GradientTape() as tape:
+                    tape.watch([xs, c])
+                    value = make(wrap)(xs, c)
+                first = tape.gradient(value, [xs, c, w])
+                if order == 1:
+                    return first
+                norm = sum(tf.reduce_sum(g**2) for g in first)
+            return outer.gradient(norm, [xs, c, w])
+
+        drop.seed_generator.state.assign([6, 0])
+        return compiled(run, mode)(xs, c)
+
+    xs, c = rand(3, 4), rand(4)
+    want = gradients(plain)
+    counted = []
+
+    def wrap_remat(fn):
+        counted.append(Counted(fn))
+        return remat.checkpoint(counted[-1])
+
+    assert_close(gradients(wrap_remat), want, tol=1e-4)
+    assert all(c.calls >= 2 for c in counted), [c.calls for c in counted]
+
+
+# 7. Keras' call context: what an outer layer call hands down reaches the recomputation.
+
+
+class TrainingScale(keras.layers.Layer):
+    """Builds the same op in training and inference, with another constant: a recomputation in
+    the wrong mode would give a wrong gradient that no op-by-op comparison of types sees."""
+
+    def call(self, x, training=None):
+        return x * (0.5 if training else 2.0)
+
+
+class ImplicitBlock(keras.layers.Layer):
+    """A block written the ordinary Keras 3 way: `training` is never passed on."""
+
+    calls = 0
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8)
+        self.scale = TrainingScale()
+        self.drop = keras.layers.Dropout(0.3, seed=8)
+        self.out = keras.layers.Dense(8)
+
+    def call(self, x):
+        ImplicitBlock.calls += 1
+        return x + self.out(self.drop(self.scale(tf.tanh(self.dense(x)))))
+
+
+def _implicit_model():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((8,))
+    h = inputs
+    for _ in range(2):
+        h = ImplicitBlock()(h)
+    return keras.Model(inputs, keras.layers.Dense(1)(h))
+
+
+def _model_grads(model, mode, x):
+    start = [v.numpy() for v in model.variables]  # weights and seed states
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x, training=True) * tf.range(1.0, 3.0)[:, None])
+        grads = tape.gradient(loss, model.trainable_variables)
+        return [tf.convert_to_tensor(g) for g in grads]  # an embedding's IndexedSlices
+
+    got = compiled(step, mode)(x)
+    for v, value in zip(model.variables, start, strict=True):
+        v.assign(value)
+    return got
+
+
+@pytest.mark.tf_compat
+@pytest.mark.parametrize("mode", MODES)
+def test_training_taken_from_the_call_context_survives_the_recomputation(mode):
+    model = _implicit_model()
+    x = rand(2, 8)
+    want = _model_grads(model, mode, x)
+    assert len(remat.set_grad_checkpointing(model)) == 2
+    ImplicitBlock.calls = 0
+    assert_close(_model_grads(model, mode, x), want)
+    assert ImplicitBlock.calls >= 4, ImplicitBlock.calls  # 2 blocks: forward and recomputation
+
+
+def test_a_recomputation_outside_the_call_context_is_a_mismatch_error(monkeypatch):
+    import contextlib
+
+    from framework import tf_internals
+
+    model = _implicit_model()
+    remat.set_grad_checkpointing(model, policy="dots_saveable")
+    ignored = lambda state: contextlib.nullcontext()  # noqa: E731
+    monkeypatch.setattr(tf_internals, "keras_call_state_entered", ignored)
+    with pytest.raises(remat.RecomputationMismatchError, match=r"training=True.*training=None"):
+        _model_grads(model, "graph", rand(2, 8))
+
+
+class MaskedAttention(keras.layers.Layer):
+    """Attention that takes its padding mask from the Keras mask riding on its input, as
+    `MultiHeadAttention` (and keras-hub's transformer layers) do."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True
+        self.attention = keras.layers.MultiHeadAttention(2, 4, dropout=0.2, seed=9)
+
+    def call(self, x):
+        return x + self.attention(x, x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_keras_masks_reach_the_region_and_leave_it(mode):
+    keras.utils.set_random_seed(4)
+    tokens = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(20, 8, mask_zero=True)(tokens)
+    for _ in range(2):
+        h = MaskedAttention()(h)
+    model = keras.Model(tokens, keras.layers.GlobalAveragePooling1D()(h))
+    x = tf.constant([[3, 4, 5, 0, 0, 0], [7, 8, 9, 10, 11, 0]])
+    want = _model_grads(model, mode, x)
+    assert len(remat.set_grad_checkpointing(model)) == 2
+    assert_close(_model_grads(model, mode, x), want)
+
+
+# 8. Smaller semantic cases.
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -470,6 +624,23 @@ def test_unconnected_inputs_and_unused_variables_get_none(mode):
     got = step(remat.checkpoint)(x, u)
     assert got[1] is None and got[3] is None and len(runs) == 2
     assert_close(got, step(plain)(x, u))
+
+
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+def test_inputs_and_variables_reaching_only_unused_results_get_none(mode):
+    v, w = tf.Variable(rand(3, seed=1)), tf.Variable(rand(3, seed=2))
+    region = Counted(lambda x, y: (tf.cos(x) * v, tf.sin(y) * w))
+
+    def run(x, y):
+        with tf.GradientTape() as tape:
+            tape.watch([x, y])
+            used, _ = remat.checkpoint(region)(x, y)
+            value = tf.reduce_sum(used)
+        return tape.gradient(value, [x, y, v, w])
+
+    got = compiled(run, mode)(rand(3), rand(3))
+    assert got[1] is None and got[3] is None and region.calls == 2
+    assert got[0] is not None and got[2] is not None
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from framework import tf_internals
@@ -110,20 +111,23 @@ def _offset(t: tf.Tensor, dep: tf.Tensor) -> tf.Tensor:
     return t
 
 
-def _signature(args: tuple, kwargs: dict, flat: list) -> tuple | None:
-    """A hashable key for an eager call: its structure, tensor shapes and dtypes, the other
-    values as they are (None when one of them cannot be hashed: such calls are traced every
-    time)."""
+def _signature(
+    args: tuple, kwargs: dict, flat: list, state: tf_internals.KerasCallState
+) -> tuple | None:
+    """A hashable key for an eager call: its structure, tensor shapes and dtypes (and Keras
+    masks), the other values as they are, the Keras call state (None when one of them cannot
+    be hashed: such calls are traced every time)."""
 
     def leaf(x):
         if _is_tensor(x):
-            return (tuple(x.shape), x.dtype)
+            mask = _mask(x)
+            return (tuple(x.shape), x.dtype, None if mask is None else tuple(mask.shape))
         if isinstance(x, tf.Variable):
             return (type(x), x.ref())
         return (type(x), x)
 
     structure = repr(tf.nest.map_structure(lambda _: None, (args, kwargs)))
-    key = (structure, tuple(leaf(x) for x in flat))
+    key = (structure, tuple(leaf(x) for x in flat), state)
     try:
         hash(key)
     except TypeError:
@@ -132,21 +136,38 @@ def _signature(args: tuple, kwargs: dict, flat: list) -> tuple | None:
 
 
 class _Layout:
-    """The structure of a region's results: where its tensors go among the other values."""
+    """The structure of a region's results: where its tensors go among the other values, and
+    which of them carry a Keras mask (returned after the tensors, attached again by `pack`)."""
 
     def __init__(self, out: Any):
         self.structure = out
         self.flat = tf.nest.flatten(out, expand_composites=True)
         self.positions = [i for i, x in enumerate(self.flat) if _is_tensor(x)]
+        self.masked = [k for k, i in enumerate(self.positions) if _mask(self.flat[i]) is not None]
 
     def tensors(self) -> list[tf.Tensor]:
-        return [self.flat[i] for i in self.positions]
+        tensors = [self.flat[i] for i in self.positions]
+        return tensors + [_mask(tensors[k]) for k in self.masked]
 
     def pack(self, tensors: list[tf.Tensor]) -> Any:
         flat = list(self.flat)
         for i, t in zip(self.positions, tensors):
             flat[i] = t
+        n = len(self.positions)
+        _attach_masks([flat[i] for i in self.positions], self.masked, tensors[n:])
         return tf.nest.pack_sequence_as(self.structure, flat, expand_composites=True)
+
+
+def _mask(t: Any) -> tf.Tensor | None:
+    mask = tf_internals.keras_mask(t)
+    return mask if _is_tensor(mask) else None
+
+
+def _attach_masks(tensors: list[tf.Tensor], masked: list[int], masks: list[tf.Tensor]) -> None:
+    """Attaches `masks[j]` to `tensors[masked[j]]`: Keras masks ride on tensors as attributes,
+    which a function's inputs and outputs do not carry, so regions pass them as tensors."""
+    for k, mask in zip(masked, masks, strict=True):
+        tf_internals.set_keras_mask(tensors[k], mask)
 
 
 class Checkpointed:
@@ -179,24 +200,30 @@ class Checkpointed:
             return self.fn(*args, **kwargs)
         flat = tf.nest.flatten((args, kwargs))
         positions = [i for i, x in enumerate(flat) if _is_tensor(x)]
+        masked = [k for k, i in enumerate(positions) if _mask(flat[i]) is not None]
         fn = tf_internals.autograph_like_caller(self.fn)
+        # What the enclosing Keras layer call hands down (`training`, autocast): the
+        # recomputation runs in it again, whether or not the code passes `training` on.
+        state = tf_internals.keras_call_state()
 
         def call(tensors):
             full = list(flat)
             for i, t in zip(positions, tensors):
                 full[i] = t
+            _attach_masks(tensors, masked, tensors[len(positions) :])
             a, kw = tf.nest.pack_sequence_as((args, kwargs), full)
             return fn(*a, **kw)
 
         tensors = [flat[i] for i in positions]
+        tensors += [_mask(tensors[k]) for k in masked]
         if not tf_internals.executing_eagerly():
-            return self._region(call, tensors)
-        key = _signature(args, kwargs, flat)
+            return self._region(call, tensors, state)
+        key = _signature(args, kwargs, flat, state)
         if key not in self._traced:
             layouts: list[_Layout] = []
 
             def traced(*inputs):
-                layouts.append(_Layout(self._region(call, list(inputs))))
+                layouts.append(_Layout(self._region(call, list(inputs), state)))
                 return layouts[-1].tensors()
 
             function = tf_internals.trace_function(traced, *tensors)
@@ -207,8 +234,9 @@ class Checkpointed:
         function, layout = self._traced[key]
         return layout.pack(function(*tensors))
 
-    def _region(self, call: Callable, tensors: list[tf.Tensor]):
-        """One call of the region in graph mode: traced forward function, gradient attached."""
+    def _region(self, call: Callable, tensors: list[tf.Tensor], state):
+        """One call of the region in graph mode: traced forward function, gradient attached.
+        `state` is the Keras call state the region is called in."""
         region = Region(self.policy, self.label)
         layouts: list[_Layout] = []
 
@@ -234,7 +262,7 @@ class Checkpointed:
         closures = [in_graph(c, graph) for c in function.captured_inputs if _differentiable(c)]
         with tf_internals.stop_recording():
             snapshots = [_read(graph, in_graph(w.handle, graph), w.dtype) for w in effects.writes]
-        n_out = len(layout.positions)
+        n_out = len(layout.tensors())
 
         def run() -> list[tf.Tensor]:
             with tf.control_dependencies(snapshots):
@@ -252,9 +280,10 @@ class Checkpointed:
 
             def grad_fn(*dy, variables=None):
                 variables = list(variables or [])
-                grads = self._backward(
-                    region, call, tensors, closures, effects, snapshots, dy, variables
-                )
+                with tf_internals.keras_call_state_entered(state):
+                    grads = self._backward(
+                        region, call, tensors, closures, effects, snapshots, dy, variables
+                    )
                 return grads[: len(tensors) + len(closures)], grads[len(tensors) + len(closures) :]
 
             return outputs, grad_fn
@@ -284,9 +313,10 @@ class Checkpointed:
             tape.watch(sources)
             with region.replaying(dep, handles):
                 layout = _Layout(call(inputs))
+        tf_internals.pass_eager_captures_through_loop(graph)
         targets, upstream = [], []
         for t, g in zip(layout.tensors(), dy):
-            if g is not None and _differentiable(t):
+            if g is not None and _differentiable(t) and not _filled_with_zeros(g):
                 targets.append(t)
                 upstream.append(g)
         grads = iter(
@@ -305,6 +335,19 @@ class Checkpointed:
             with tf.control_dependencies(finals):
                 flat = [None if g is None else _identity(g) for g in flat]
         return flat
+
+
+def _filled_with_zeros(gradient) -> bool:
+    """Whether `gradient` is the zeros TensorFlow's gradient code puts in for a result nothing
+    uses (a constant, `Fill` or `ZerosLike`): differentiating through it would give zeros, not
+    None, to inputs and variables that reach only unused results."""
+    op = getattr(gradient, "op", None)
+    if op is None or op.type not in ("Const", "Fill", "ZerosLike"):
+        return False
+    if op.type == "ZerosLike":
+        return True
+    value = tf.get_static_value(op.inputs[1] if op.type == "Fill" else gradient)
+    return value is not None and not np.any(value)
 
 
 def _identity(gradient):

@@ -226,9 +226,32 @@ class StateOrder:
 KEPT_ATTR = "_remat_kept"  # on the identity of each kept value: what it was (for the report)
 
 
+def _plain(value):
+    """A call-context value as compared between the passes (a tensor by its type alone)."""
+    return value if isinstance(value, (bool, int, float, str, type(None))) else type(value).__name__
+
+
+@dataclasses.dataclass(frozen=True)
+class _Site:
+    """Where an op was built: inside which Keras layer calls (names from the region's own level
+    down) and with which call-context arguments (`training`, ...) and autocast dtype. Two passes
+    that build the same ops through another branch of a layer's Python code differ here."""
+
+    layers: tuple[str, ...]
+    context: tuple | None
+    autocast: str | None
+
+    def __str__(self) -> str:
+        where = "/".join(self.layers) or "the region's own code"
+        context = ", ".join(f"{k}={v}" for k, v in self.context or ()) or "no layer call"
+        autocast = f", autocast {self.autocast}" if self.autocast else ""
+        return f"in {where} ({context}{autocast})"
+
+
 @dataclasses.dataclass
 class _Entry:
     info: OpInfo
+    site: _Site | None = None
     origin: str = ""
     read: bool = False  # a gradient reads its outputs (without remat, they would be held)
     candidate: tuple[tf.Tensor, ...] | None = None  # outputs a policy may keep
@@ -271,6 +294,7 @@ class Region:
         stack = _stack()
         self.graph = tf.compat.v1.get_default_graph()
         self._mode, self._dep = mode, dep
+        self._depth = len(tf_internals.keras_layer_path())
         if not stack:
             tf_internals.add_op_callback(_dispatch)
         stack.append(self)
@@ -383,10 +407,13 @@ class Region:
         )
         if is_random_op:
             self.tie_seeds(op)
+        state = tf_internals.keras_call_state()
+        context = None if state.context is None else tuple((k, _plain(v)) for k, v in state.context)
+        site = _Site(tf_internals.keras_layer_path()[self._depth :], context, state.autocast)
         if self._mode == "record":
-            self._record(info, op, outputs)
+            self._record(info, site, op, outputs)
             return None
-        return self._replay(info, op, outputs)
+        return self._replay(info, site, op, outputs)
 
     def _is_constant(self, t: tf.Tensor) -> bool:
         return t.op.type == "Const" or t.ref() in self._constant
@@ -410,7 +437,7 @@ class Region:
             for t in outputs:
                 self._producers[t.ref()] = self._producers[source.ref()]
 
-    def _record(self, info: OpInfo, op: tf.Operation, outputs) -> None:
+    def _record(self, info: OpInfo, site: _Site, op: tf.Operation, outputs) -> None:
         read_inputs, reads_outputs = gradient_reads(op.type, len(op.inputs))
         self._mark_read([op.inputs[i] for i in read_inputs])
         if info.random:
@@ -418,7 +445,7 @@ class Region:
         elif op.inputs and all(self._is_constant(t) for t in op.inputs):
             self._constant.update(t.ref() for t in outputs)
         origin = f"checkpoint_name {info.name!r}" if info.name else f"{op.type} ({op.name})"
-        entry = _Entry(info, origin, read=reads_outputs)
+        entry = _Entry(info, site, origin, read=reads_outputs)
         for t in (*outputs, *op.outputs):
             self._producers[t.ref()] = entry
         if (
@@ -432,7 +459,7 @@ class Region:
                 entry.saved = _saveable(entry.candidate)
         self.entries.append(entry)
 
-    def _replay(self, info: OpInfo, op: tf.Operation, outputs):
+    def _replay(self, info: OpInfo, site: _Site, op: tf.Operation, outputs):
         index = self._cursor
         if index >= len(self.entries):
             raise RecomputationMismatchError(
@@ -442,15 +469,16 @@ class Region:
         entry = self.entries[index]
         self._cursor += 1
         expected = entry.info
-        if (expected.op_type, expected.shapes, expected.dtypes) != (
+        if (expected.op_type, expected.shapes, expected.dtypes, entry.site) != (
             info.op_type,
             info.shapes,
             info.dtypes,
+            site,
         ):
             raise RecomputationMismatchError(
                 f"Recomputation of remat region {self.label!r} differs from its forward pass at "
-                f"op #{index}: forward built {_describe(expected)}, recomputation built "
-                f"{_describe(info)}."
+                f"op #{index}: forward built {_describe(expected)} {entry.site}, recomputation "
+                f"built {_describe(info)} {site}."
             )
         if entry.kept is None:
             return None
