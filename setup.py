@@ -26,7 +26,15 @@ setup(
         # runs beside TensorFlow 2.20 and 2.21 (protobuf, numpy 2).
         "tfds": ["tensorflow-datasets>=4.9.10,<5"],
         # pytest-xdist: the README's test command runs the suite in 2 worker processes.
-        "test": ["pytest>=8", "pytest-xdist>=3.6", "ruff>=0.6", "tensorflow-datasets>=4.9.10,<5"],
+        # keras-hub: remat is tested on its backbones (tests/test_remat_user_models.py); 0.32
+        # needs keras>=3.15 and tensorflow-text>=2.20.1, which both supported TensorFlows take.
+        "test": [
+            "pytest>=8",
+            "pytest-xdist>=3.6",
+            "ruff>=0.6",
+            "tensorflow-datasets>=4.9.10,<5",
+            "keras-hub>=0.32,<0.33",
+        ],
     },
     entry_points={
         "console_scripts": [

@@ -300,6 +300,83 @@ def set_keras_mask(tensor, mask) -> None:
     set_mask(tensor, mask)
 
 
+# A Keras functional model (and a Sequential one, which holds one) runs its layer graph node by
+# node in `_run_through_graph`; remat replaces that runner on the instance to run spans of the
+# graph as checkpointed regions (`remat.segments`).
+
+
+@dataclasses.dataclass
+class FunctionalGraph:
+    """What remat needs of a functional model's graph: its computing nodes in the order Keras
+    runs them, its input and output Keras tensors, Keras' own runner and output packing."""
+
+    model: object  # the keras.Functional that owns the graph
+    nodes: list
+    inputs: list
+    outputs: list
+
+    def run(self, inputs, operation_fn, call_fn=None):
+        return type(self.model)._run_through_graph(self.model, inputs, operation_fn, call_fn)
+
+    def pack_outputs(self, values: list):
+        import keras
+
+        return keras.tree.pack_sequence_as(self.model._outputs_struct, values)
+
+
+def _functional(model):
+    """The keras.Functional behind `model` (itself, or a Sequential's), or None."""
+    from keras.src.models.functional import Functional
+
+    if isinstance(model, Functional):
+        return model
+    inner = getattr(model, "_functional", None)
+    return inner if isinstance(inner, Functional) else None
+
+
+def is_functional(model) -> bool:
+    """Whether `model` runs a graph of layers (functional, or a Sequential built on an Input)."""
+    return _functional(model) is not None
+
+
+def functional_graph(model) -> FunctionalGraph:
+    functional = _functional(model)
+    nodes = []
+    for depth in sorted(functional._nodes_by_depth, reverse=True):
+        for node in functional._nodes_by_depth[depth]:
+            if node.operation and not node.is_input:
+                nodes.append(node)
+    return FunctionalGraph(functional, nodes, list(functional.inputs), list(functional.outputs))
+
+
+def run_node(node, values: dict, context: tuple = ()) -> None:
+    """Calls the node's layer on its arguments taken from `values` (Keras tensor id -> value)
+    and stores its outputs there. `context` holds the (name, value) call-context arguments of
+    the model's call (`training`): as Keras' own runner does, they replace what the node
+    recorded when the graph was built (`training=False`, the default then)."""
+    import keras
+
+    args, kwargs = node.arguments.fill_in(values)
+    accepted = getattr(node.operation, "_call_context_args", ())
+    kwargs.update((k, v) for k, v in context if k in accepted and v is not None)
+    outputs = node.operation(*args, **kwargs)
+    values.update(zip((id(t) for t in node.outputs), keras.tree.flatten(outputs)))
+
+
+def functional_runner(model):
+    """The graph runner installed on `model` by `set_functional_runner`, or None."""
+    return _functional(model).__dict__.get("_run_through_graph")
+
+
+def set_functional_runner(model, runner) -> None:
+    """Runs the model's graph with `runner(inputs, operation_fn, call_fn)`, or Keras' (None)."""
+    functional = _functional(model)
+    if runner is None:
+        functional.__dict__.pop("_run_through_graph", None)
+    else:
+        object.__setattr__(functional, "_run_through_graph", runner)
+
+
 def is_jit_compiled(function: Callable) -> bool:
     """Whether `function` is a `tf.function(jit_compile=True)` (no public accessor says so)."""
     return bool(getattr(function, "_jit_compile", False))

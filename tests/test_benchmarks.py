@@ -141,3 +141,15 @@ def test_vocab_sample_quick():
     assert re.search(r"\| vocabulary \| [\d,]+ tokens \(vocab_size 1,000\) \|", report), report
     assert re.search(r"\| time to learn \| [\d.]+ s", report), report
     assert re.search(r"\| peak memory \| \+\d+ MiB", report), report
+
+
+def test_remat_user_models_quick(tmp_path):
+    out = tmp_path / "remat_user_models.md"
+    run_benchmark("remat_user_models.py", "--quick", "--models=bert,mobilenetv3", f"--out={out}")
+    report = out.read_text()
+    assert report.startswith("Command: `python benchmarks/remat_user_models.py --quick")
+    rows = {line.split("|")[1].strip(): line for line in report.splitlines() if "| " in line}
+    assert "Segment" not in rows["bert"] and "Segments" in rows["mobilenetv3"], report
+    for name in ("bert", "mobilenetv3"):
+        error = float(rows[name].strip("|").split("|")[-1])
+        assert error < 1e-4, report

@@ -9,6 +9,7 @@ import importlib.metadata
 import warnings
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 from packaging.requirements import Requirement
@@ -178,3 +179,52 @@ _MIRRORED_SGD_STEP = """
 def test_gradients_already_reduced_are_applied_as_given_under_mirrored():
     moved = run_python(_MIRRORED_SGD_STEP)
     assert moved == {"SGD": 1.0, "Given": 0.5, "replicas": 2}
+
+
+@pytest.mark.tf_compat
+def test_keras_call_state_layer_path_masks_and_functional_graph():
+    seen = {}
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):
+            seen["state"] = tf_internals.keras_call_state()
+            seen["path"] = tf_internals.keras_layer_path()
+            return x
+
+    class Outer(keras.layers.Layer):
+        def __init__(self):
+            super().__init__(name="outer")
+            self.probe = Probe(name="probe")
+
+        def call(self, x):
+            return self.probe(x)
+
+    Outer()(tf.ones([1, 2]), training=True)
+    assert seen["state"].context == (("training", True),) and seen["path"][-2:] == (
+        "outer",
+        "probe",
+    )
+    assert tf_internals.keras_call_state().context is None  # outside any layer call
+    with tf_internals.keras_call_state_entered(seen["state"]):
+        Probe()(tf.ones([1, 2]))
+        assert tf_internals.keras_call_state().context == (("training", True),)
+    assert tf_internals.keras_call_state().context is None
+
+    x, mask = tf.ones([1, 2]), tf.constant([[True, False]])
+    tf_internals.set_keras_mask(x, mask)
+    assert tf_internals.keras_mask(x) is mask
+
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Dense(2)(inputs)))
+    graph = tf_internals.functional_graph(model)
+    assert [n.operation.name for n in graph.nodes] == [layer.name for layer in model.layers[1:]]
+    values = {id(graph.inputs[0]): tf.ones([1, 2])}
+    for node in graph.nodes:
+        tf_internals.run_node(node, values, (("training", True),))
+    np.testing.assert_allclose(values[id(graph.outputs[0])], model(tf.ones([1, 2])), rtol=1e-6)
+    calls = []
+    tf_internals.set_functional_runner(model, lambda *a, **k: calls.append(1) or tf.zeros([1, 3]))
+    model(tf.ones([1, 2]))
+    assert calls and tf_internals.functional_runner(model) is not None
+    tf_internals.set_functional_runner(model, None)
+    assert tf_internals.functional_runner(model) is None

@@ -11,14 +11,18 @@ recomputation that XLA keeps. See docs/remat.md.
     remat.print_saved_residuals(loss_fn, x)
 """
 
-from framework.remat import policies
+from framework.remat import policies, segments
 from framework.remat.checkpoint import (
     checkpoint,
     checkpoint_name,
     is_checkpointed,
     without_checkpoint_names,
 )
-from framework.remat.keras_model import checkpointed_layers, set_grad_checkpointing
+from framework.remat.keras_model import (
+    RematSavesNothingWarning,
+    checkpointed_layers,
+    set_grad_checkpointing,
+)
 from framework.remat.policies import OpInfo, get_policy, policy_names
 from framework.remat.replay import (
     RecomputationMismatchError,
@@ -31,6 +35,7 @@ __all__ = [
     "OpInfo",
     "RecomputationMismatchError",
     "RematError",
+    "RematSavesNothingWarning",
     "Residual",
     "UnreplayableRandomOpError",
     "checkpoint",
@@ -42,6 +47,7 @@ __all__ = [
     "policy_names",
     "print_saved_residuals",
     "saved_residuals",
+    "segments",
     "set_grad_checkpointing",
     "without_checkpoint_names",
 ]

@@ -3,17 +3,21 @@
 Keras 3 `RematScope` must wrap layer construction; timm's `set_grad_checkpointing()` shows what a
 user wants instead: switch it on (or off) for a built model. We wrap the `call` of the chosen layer
 instances (see `checkpoint`), so functional, Sequential and subclassed models all route through the
-wrapper, and weights, tracking and serialization stay as they were.
+wrapper, and weights, tracking and serialization stay as they were. A functional model whose blocks
+are not layer objects (keras.applications) gets spans of its layer graph instead (`segments`).
 """
 
 from __future__ import annotations
 
 import collections
+import math
+import warnings
 from collections.abc import Callable, Iterable
 
 import keras
 
 from framework import tf_internals
+from framework.remat import segments
 from framework.remat.checkpoint import (
     checkpoint,
     is_checkpointed,
@@ -21,6 +25,11 @@ from framework.remat.checkpoint import (
     unwrap_layer,
 )
 from framework.remat.policies import Policy, get_policy
+
+
+class RematSavesNothingWarning(UserWarning):
+    """A checkpointed region whose recomputation can save little or nothing."""
+
 
 LayerSelector = None | str | type | Iterable[str | type] | Callable[[keras.Layer], bool]
 
@@ -51,9 +60,11 @@ def _top_most(model: keras.Layer, chosen: Callable[[keras.Layer], bool]) -> list
 def repeated_blocks(model: keras.Layer) -> list[keras.Layer]:
     """The default choice: the model's repeated blocks.
 
-    A block class has weights and at least two instances in the model; a class of which some
-    instance sits inside another block class is a part of a block (the Dense layers of a
-    transformer block), not a block. The top-most instances of the block classes are returned.
+    A block class has weights, layers of its own and at least two instances in the model; a
+    class of which some instance sits inside another block class is a part of a block (the Dense
+    layers of a transformer block), not a block. The top-most instances of the block classes are
+    returned. A layer without layers of its own (Conv2D, Dense) is no block: checkpointed alone,
+    it keeps its input and recomputes one op.
     """
     with_weights = [layer for layer in _all_layers(model) if layer.weights]
     counts = collections.Counter(type(layer) for layer in with_weights)
@@ -65,7 +76,10 @@ def repeated_blocks(model: keras.Layer) -> list[keras.Layer]:
                 if type(inner) is not type(layer):
                     parts.add(type(inner))
     blocks = repeated - parts
-    return _top_most(model, lambda layer: type(layer) in blocks and bool(layer.weights))
+    return _top_most(
+        model,
+        lambda layer: type(layer) in blocks and bool(layer.weights) and bool(_children(layer)),
+    )
 
 
 def _select(model: keras.Layer, layers: LayerSelector) -> list[keras.Layer]:
@@ -74,7 +88,13 @@ def _select(model: keras.Layer, layers: LayerSelector) -> list[keras.Layer]:
     if isinstance(layers, (str, type)):
         layers = [layers]
     if callable(layers):
-        return _top_most(model, layers)
+        chosen = _top_most(model, layers)
+        if not chosen:
+            raise ValueError(
+                f"The layers= predicate matches no layer of model {model.name!r}; it has "
+                f"{_contents(model)}"
+            )
+        return chosen
     layers = list(layers)
     names = {x for x in layers if isinstance(x, str)}
     classes = tuple(x for x in layers if isinstance(x, type))
@@ -84,9 +104,42 @@ def _select(model: keras.Layer, layers: LayerSelector) -> list[keras.Layer]:
         raise ValueError(
             f"No layer named {unknown} in model {model.name!r}; it has {sorted(known)}"
         )
-    return _top_most(
+    chosen = _top_most(
         model, lambda layer: layer.name in names or (bool(classes) and isinstance(layer, classes))
     )
+    if not chosen:
+        raise ValueError(
+            f"No layer of model {model.name!r} is an instance of {[c.__name__ for c in classes]}; "
+            f"it has {_contents(model)}"
+        )
+    return chosen
+
+
+def _mostly_blocks(model: keras.Layer) -> bool:
+    """Whether the repeated blocks hold at least half of the model's weights (a transformer's
+    layers do; ConvNeXt's few Sequential stems and downsampling layers do not)."""
+    total = sum(math.prod(v.shape) for v in model.weights)
+    held = sum(math.prod(v.shape) for block in repeated_blocks(model) for v in block.weights)
+    return total > 0 and held >= total / 2
+
+
+def _contents(model: keras.Layer) -> str:
+    """The layer classes of a model with their counts, for error messages."""
+    counts = collections.Counter(type(layer).__name__ for layer in _all_layers(model))
+    return ", ".join(f"{name} x{n}" for name, n in counts.most_common())
+
+
+def _warn_if_single_layers(chosen: list[keras.Layer]) -> None:
+    lone = [layer.name for layer in chosen if not _children(layer) and not loops_over_steps(layer)]
+    if lone:
+        shown = ", ".join(lone[:5]) + (f" and {len(lone) - 5} more" if len(lone) > 5 else "")
+        warnings.warn(
+            f"Checkpointing single layers ({shown}) saves little or nothing: each keeps its "
+            "input and recomputes one op. Choose blocks (layers with layers of their own), or "
+            "leave layers= out on a functional model to checkpoint spans of its graph.",
+            RematSavesNothingWarning,
+            stacklevel=3,
+        )
 
 
 def checkpointed_layers(model: keras.Layer) -> list[keras.Layer]:
@@ -106,7 +159,8 @@ def set_grad_checkpointing(
     enable: bool = True,
     policy: str | Policy | None = "nothing_saveable",
     layers: LayerSelector = None,
-) -> list[keras.Layer]:
+    every: int | None = None,
+) -> list[keras.Layer | segments.Segment]:
     """Turns gradient checkpointing on (or off) for the blocks of an existing Keras model.
 
     Args:
@@ -114,30 +168,76 @@ def set_grad_checkpointing(
       enable: False removes checkpointing from every layer of the model.
       policy: what each block keeps for the backward pass (see `remat.policies`).
       layers: which layers become checkpointed regions. Default: the model's repeated blocks, the
-        top-most layers whose class has weights and appears at least twice, and the layers that
-        loop over blocks themselves (`ScannedBlocks`: each step of the loop is a region).
-        Otherwise layer names, layer classes, a list mixing both, or a predicate
-        `layer -> bool`; the top-most matching layers are used (a match's own sublayers are
-        inside its region already).
+        top-most layers with layers of their own whose class has weights and appears at least
+        twice, and the layers that loop over blocks themselves (`ScannedBlocks`: each step of the
+        loop is a region); a functional model without such blocks (keras.applications) gets
+        segments of its layer graph instead (see `every`). Otherwise layer names, layer
+        classes, a list mixing both, or a predicate `layer -> bool`; the top-most matching
+        layers are used (a match's own sublayers are inside its region already). A selection
+        that matches nothing is a `ValueError`; single layers warn (`RematSavesNothingWarning`).
+      every: checkpoint a functional model's graph in segments of `every` blocks (spans between
+        tensors through which the whole graph passes, such as a residual block's output; see
+        `remat.segments`), instead of layers. Default 1 when the model gets segments.
 
     Returns:
-      The layers now checkpointed (empty when `enable` is False).
+      The regions now checkpointed: layers, or `remat.segments.Segment`s of a functional graph
+      (empty when `enable` is False).
     """
     if not enable:
-        for layer in checkpointed_layers(model):
-            unwrap_layer(layer)
-        _reset_compiled_functions(model)
+        _remove(model)
         return []
     resolved = get_policy(policy)
+    if every is not None:
+        if layers is not None:
+            raise ValueError("Pass layers= or every=, not both: every= cuts the layer graph.")
+        return _segment(model, resolved, every, asked=True)
     chosen = _select(model, layers)
+    if layers is None and tf_internals.is_functional(model) and not _mostly_blocks(model):
+        return _segment(model, resolved, None, asked=False)
     if not chosen and layers is None:
         raise ValueError(
-            f"Model {model.name!r} has no repeated block (a layer class with weights appearing "
-            "at least twice). Build the model first, or pass layers= (names, classes, predicate)."
+            f"Model {model.name!r} has no repeated block (a layer class with weights and layers "
+            f"of its own appearing at least twice; it has {_contents(model)}). Build the model "
+            "first, or pass layers= (names, classes, predicate)."
         )
-    for layer in checkpointed_layers(model):
-        unwrap_layer(layer)
+    if layers is not None:
+        _warn_if_single_layers(chosen)
+    _remove(model)
     for layer in chosen:
         checkpoint(layer, resolved)
     _reset_compiled_functions(model)
     return checkpointed_layers(model)
+
+
+def _remove(model: keras.Layer) -> None:
+    for layer in checkpointed_layers(model):
+        unwrap_layer(layer)
+    if tf_internals.is_functional(model):
+        segments.unsegment(model)
+    _reset_compiled_functions(model)
+
+
+def _segment(model, policy, every: int | None, asked: bool) -> list[segments.Segment]:
+    if not tf_internals.is_functional(model):
+        raise ValueError(
+            f"every= cuts a functional model's layer graph; {model.name!r} is a subclassed "
+            "model: pass layers= (names, classes, predicate) instead."
+        )
+    if every is not None and (not isinstance(every, int) or every < 1):
+        raise ValueError(f"every must be a positive integer, got {every!r}")
+    found = segments.segments(model, every)
+    if len(found) < 2:
+        message = (
+            f"Model {model.name!r}'s layer graph has no place where one tensor carries "
+            "everything the rest needs (every path from its input to its output crosses each "
+            f"segment), so a segment would hold the whole graph and save nothing; found "
+            f"{len(found)} segment(s). Pass layers= (blocks of your own) instead."
+        )
+        if asked:
+            raise ValueError(message)
+        warnings.warn(message, RematSavesNothingWarning, stacklevel=3)
+        return []
+    _remove(model)
+    segments.install(model, found, policy)
+    _reset_compiled_functions(model)
+    return found

@@ -1,0 +1,181 @@
+"""Checkpointed spans of a functional model's layer graph (keras.applications and the like).
+
+A functional model's blocks are often not layer objects: a ResNet's bottleneck block is eight
+Conv2D, BatchNormalization, Activation and Add layers wired in the graph. Wrapping those layers one
+by one saves nothing (a lone convolution keeps its input either way), so `set_grad_checkpointing`
+cuts the graph instead, as `torch.utils.checkpoint.checkpoint_sequential` cuts a chain:
+
+* a *cut* is a place in the model's execution order where one tensor alone (besides the model's
+  inputs, which are held anyway) carries everything the rest of the graph needs - a residual
+  stage's output;
+* a *span* is the run of layers between two cuts: a residual block, or a single layer of a stem;
+* a *segment* is the unit of remat: `every` consecutive spans of two or more layers, with the
+  single-layer spans between them, run as one checkpointed region.
+
+The model keeps its layers, weights and serialization; only the way its graph is run changes
+(`SegmentedGraph` takes the place of the model's own graph runner), and `unsegment` undoes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import keras
+
+from framework import tf_internals
+from framework.remat.checkpoint import checkpoint
+from framework.remat.policies import Policy
+
+
+@dataclasses.dataclass
+class Segment:
+    """A checkpointed run of nodes of a functional model's graph."""
+
+    nodes: list
+    inputs: list  # Keras tensors the segment reads from before it
+    outputs: list  # Keras tensors it produces that are read after it (or are model outputs)
+
+    @property
+    def layers(self) -> list[keras.Layer]:
+        return [node.operation for node in self.nodes]
+
+    @property
+    def name(self) -> str:
+        names = [layer.name for layer in self.layers]
+        return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+    def __repr__(self) -> str:
+        return f"Segment({self.name!r}, {len(self.nodes)} layers)"
+
+
+def spans(model: keras.Model) -> list[list]:
+    """The model's computing nodes in execution order, split at every cut."""
+    graph = tf_internals.functional_graph(model)
+    nodes = graph.nodes
+    held = {id(t) for t in graph.inputs}
+    last_use: dict[int, int] = {}
+    for index, node in enumerate(nodes):
+        for t in node.input_tensors:
+            last_use[id(t)] = index
+    for t in graph.outputs:
+        last_use[id(t)] = len(nodes)
+    result, current, live = [], [], set()
+    for index, node in enumerate(nodes):
+        current.append(node)
+        live.update(id(t) for t in node.outputs)
+        live = {t for t in live if last_use.get(t, -1) > index and t not in held}
+        if len(live) <= 1:
+            result.append(current)
+            current = []
+    if current:
+        result.append(current)
+    return result
+
+
+def segments(model: keras.Model, every: int | None = None) -> list[Segment]:
+    """The checkpointed segments `set_grad_checkpointing` makes of a functional model.
+
+    Args:
+      model: a built functional model.
+      every: spans of two or more layers per segment (default 1: one residual block each). A
+        graph without such spans (a chain of single layers) is cut into segments of `every`
+        layers, by default the square root of its length, as `checkpoint_sequential` does.
+    """
+    found = spans(model)
+    blocks = [s for s in found if len(s) >= 2]
+    if not blocks:
+        size = every or max(2, round(math.sqrt(len(found))))
+        groups = [sum(found[i : i + size], []) for i in range(0, len(found), size)]
+    else:  # single layers join the block before them (a stem: the first block)
+        groups, current, count = [], [], 0
+        for span in found:
+            if len(span) >= 2 and count == (every or 1):
+                groups.append(current)
+                current, count = [], 0
+            current += span
+            count += len(span) >= 2
+        groups.append(current)
+    return [_segment(model, g) for g in groups if len(g) >= 2]
+
+
+def _segment(model: keras.Model, nodes: list) -> Segment:
+    graph = tf_internals.functional_graph(model)
+    inside = {id(t) for node in nodes for t in node.outputs}
+    inputs, seen = [], set()
+    for node in nodes:
+        for t in node.input_tensors:
+            if id(t) not in inside and id(t) not in seen:
+                seen.add(id(t))
+                inputs.append(t)
+    position = graph.nodes.index(nodes[-1])
+    later = {id(t) for node in graph.nodes[position + 1 :] for t in node.input_tensors}
+    later |= {id(t) for t in graph.outputs}
+    outputs = [t for node in nodes for t in node.outputs if id(t) in later]
+    return Segment(nodes, inputs, outputs)
+
+
+class SegmentedGraph:
+    """Runs a functional model's graph with each segment as one checkpointed region.
+
+    Installed in place of the model's graph runner; symbolic runs (Keras' shape inference) and
+    calls without a gradient tape go through the model's own runner.
+    """
+
+    def __init__(self, model: keras.Model, found: list[Segment], policy: str | Policy):
+        self.model, self.segments = model, found
+        self.original = tf_internals.functional_graph(model).run
+        starts = {id(s.nodes[0]): s for s in found}
+        members = {id(node) for s in found for node in s.nodes}
+        self._plan: list = []
+        for node in tf_internals.functional_graph(model).nodes:
+            if id(node) in starts:
+                segment = starts[id(node)]
+                self._plan.append((segment, checkpoint(_Runner(segment), policy)))
+            elif id(node) not in members:
+                self._plan.append((node, None))
+
+    def __call__(self, inputs, operation_fn=None, call_fn=None):
+        if call_fn is not None:
+            return self.original(inputs, operation_fn, call_fn)
+        graph = tf_internals.functional_graph(self.model)
+        values = dict(zip((id(x) for x in graph.inputs), keras.tree.flatten(inputs)))
+        # The model's call-context arguments (`training`), as the model's call resolved them.
+        context = tf_internals.keras_call_state().context or ()
+        for step, region in self._plan:
+            if region is None:
+                tf_internals.run_node(step, values, context)
+                continue
+            results = region([values[id(t)] for t in step.inputs], context=context)
+            values.update(zip((id(t) for t in step.outputs), results))
+        return graph.pack_outputs([values[id(x)] for x in graph.outputs])
+
+
+class _Runner:
+    """The nodes of one segment as a function of the tensors entering it."""
+
+    def __init__(self, segment: Segment):
+        self.segment = segment
+        self.__name__ = self.__qualname__ = segment.name
+
+    def __call__(self, entering: list, context: tuple = ()) -> list:
+        values = dict(zip((id(t) for t in self.segment.inputs), entering))
+        for node in self.segment.nodes:
+            tf_internals.run_node(node, values, context)
+        return [values[id(t)] for t in self.segment.outputs]
+
+
+def install(model: keras.Model, found: list[Segment], policy: str | Policy) -> None:
+    tf_internals.set_functional_runner(model, SegmentedGraph(model, found, policy))
+
+
+def installed(model: keras.Model) -> list[Segment]:
+    """The segments currently checkpointed in `model` (empty when none)."""
+    runner = tf_internals.functional_runner(model)
+    return list(runner.segments) if isinstance(runner, SegmentedGraph) else []
+
+
+def unsegment(model: keras.Model) -> None:
+    """Runs the model's graph as Keras does again."""
+    if isinstance(tf_internals.functional_runner(model), SegmentedGraph):
+        tf_internals.set_functional_runner(model, None)
