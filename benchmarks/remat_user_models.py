@@ -96,7 +96,6 @@ def measure(name: str, quick: bool) -> dict:
         grads = [g.numpy() for g in function(x)]
         return time.perf_counter() - begin, grads
 
-    spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), x)
     result = {"model": name}
     for setting in ("none", "full"):
         if setting == "full":
@@ -106,7 +105,7 @@ def measure(name: str, quick: bool) -> dict:
         result[f"{setting}_eager_s"], _ = first_call(step)
         result[f"{setting}_function_s"], grads = first_call(tf.function(step))
         result[f"{setting}_grads"] = grads
-        plan = memory.compiled_bytes(tf.function(step, jit_compile=True), spec)
+        plan = memory.compiled_bytes(tf.function(step, jit_compile=True), x)
         result[f"{setting}_temp"] = plan.temp_bytes
     want, got = result.pop("none_grads"), result.pop("full_grads")
     diff = sum(np.sum((g.astype(np.float64) - w) ** 2) for g, w in zip(got, want, strict=True))

@@ -10,7 +10,6 @@ are not layer objects (keras.applications) gets spans of its layer graph instead
 from __future__ import annotations
 
 import collections
-import math
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -115,14 +114,6 @@ def _select(model: keras.Layer, layers: LayerSelector) -> list[keras.Layer]:
     return chosen
 
 
-def _mostly_blocks(model: keras.Layer) -> bool:
-    """Whether the repeated blocks hold at least half of the model's weights (a transformer's
-    layers do; ConvNeXt's few Sequential stems and downsampling layers do not)."""
-    total = sum(math.prod(v.shape) for v in model.weights)
-    held = sum(math.prod(v.shape) for block in repeated_blocks(model) for v in block.weights)
-    return total > 0 and held >= total / 2
-
-
 def _contents(model: keras.Layer) -> str:
     """The layer classes of a model with their counts, for error messages."""
     counts = collections.Counter(type(layer).__name__ for layer in _all_layers(model))
@@ -170,7 +161,8 @@ def set_grad_checkpointing(
       layers: which layers become checkpointed regions. Default: the model's repeated blocks, the
         top-most layers with layers of their own whose class has weights and appears at least
         twice, and the layers that loop over blocks themselves (`ScannedBlocks`: each step of the
-        loop is a region); a functional model without such blocks (keras.applications) gets
+        loop is a region); a functional model whose graph has more than twice as many segments
+        as it has such blocks (keras.applications: its blocks are wired in the graph) gets
         segments of its layer graph instead (see `every`). Otherwise layer names, layer
         classes, a list mixing both, or a predicate `layer -> bool`; the top-most matching
         layers are used (a match's own sublayers are inside its region already). A selection
@@ -192,8 +184,10 @@ def set_grad_checkpointing(
             raise ValueError("Pass layers= or every=, not both: every= cuts the layer graph.")
         return _segment(model, resolved, every, asked=True)
     chosen = _select(model, layers)
-    if layers is None and tf_internals.is_functional(model) and not _mostly_blocks(model):
-        return _segment(model, resolved, None, asked=False)
+    if layers is None and tf_internals.is_functional(model):
+        found = segments.segments(model)
+        if len(found) > 2 * len(chosen):  # blocks wired in the graph, not layer objects
+            return _segment(model, resolved, None, asked=False)
     if not chosen and layers is None:
         raise ValueError(
             f"Model {model.name!r} has no repeated block (a layer class with weights and layers "
