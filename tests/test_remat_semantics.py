@@ -401,6 +401,7 @@ def test_tf_function_first_traced_inside_a_region(mode):
 # 6. Regions inside loop bodies: a user's own scan over layers.
 
 
+@pytest.mark.tf_compat
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("loop", ["scan", "while_loop"])
 @pytest.mark.parametrize("order", [1, 2])
