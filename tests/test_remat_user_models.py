@@ -200,12 +200,20 @@ def test_full_remat_lowers_xla_temp_memory_of_resnet50():
     assert plan() < 0.7 * before  # 0.57 at 160 px, batch 8 (docs/remat.md)
 
 
-def test_segments_of_a_chain_and_every():
+def test_segments_of_a_chain_every_and_saving(tmp_path):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8) for _ in range(16)])
     found = segments.segments(model)
     assert [len(s.nodes) for s in found] == [4, 4, 4, 4]  # sqrt(16) layers each
     assert [len(s.nodes) for s in segments.segments(model, every=8)] == [8, 8]
+    x = np.random.default_rng(0).normal(size=(2, 8)).astype(np.float32)
+    before = model.predict(x, verbose=0)
+    assert len(remat.set_grad_checkpointing(model)) == 4
+    np.testing.assert_allclose(model.predict(x, verbose=0), before, rtol=1e-6)
+    model.save(tmp_path / "chain.keras")  # the remat setting is not saved: a plain model loads
+    loaded = keras.saving.load_model(tmp_path / "chain.keras")
+    assert segments.installed(loaded) == []
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), before, rtol=1e-6)
     resnet, _ = _application("resnet50")
     assert len(segments.segments(resnet, every=4)) == 4
     chosen = remat.set_grad_checkpointing(resnet, every=4)
