@@ -99,6 +99,11 @@ def executing_eagerly() -> bool:
     return context.executing_eagerly()
 
 
+def current_device() -> str:
+    """The device eager ops of this thread run on (a replica's, under a distribution strategy)."""
+    return context.context().device_name
+
+
 def runtime_started() -> bool:
     """Whether TensorFlow already created its devices (after that, device options are fixed)."""
     return context.context()._initialized
@@ -361,6 +366,13 @@ def run_node(node, values: dict, context: tuple = ()) -> None:
     kwargs.update((k, v) for k, v in context if k in accepted and v is not None)
     outputs = node.operation(*args, **kwargs)
     values.update(zip((id(t) for t in node.outputs), keras.tree.flatten(outputs)))
+
+
+def is_functional_call_operation(operation_fn) -> bool:
+    """Whether `operation_fn`, handed to a functional model's graph runner, is the one its own
+    `call` passes (which adds `training` to each layer call), not another caller's
+    (`clone_model`'s, `compute_output_spec`'s)."""
+    return getattr(operation_fn, "__qualname__", "").startswith("Functional.call.")
 
 
 def functional_runner(model):

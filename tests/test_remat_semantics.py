@@ -643,6 +643,15 @@ def test_inputs_and_variables_reaching_only_unused_results_get_none(mode):
     assert got[1] is None and got[3] is None and region.calls == 2
     assert got[0] is not None and got[2] is not None
 
+    def through_sign(x, y):  # a used result whose real gradient is zeros (`sign`'s ZerosLike)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            value = tf.reduce_sum(tf.sign(remat.checkpoint(region)(x, y)[0]))
+        return tape.gradient(value, [x, v])
+
+    zeros = compiled(through_sign, mode)(rand(3), rand(3))
+    assert all(g is not None and not np.any(g) for g in zeros), zeros
+
 
 @pytest.mark.parametrize("mode", MODES)
 def test_only_some_outputs_used_and_integer_outputs(mode):

@@ -222,6 +222,16 @@ def test_segments_of_a_chain_every_and_saving(tmp_path):
     assert segments.installed(resnet) == []
 
 
+def test_other_callers_of_a_segmented_graph_get_keras_own_runner():
+    model = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8) for _ in range(8)])
+    assert len(remat.set_grad_checkpointing(model)) >= 2
+    clone = keras.models.clone_model(model)  # its own layers, not the original's
+    assert not any(a is b for a, b in zip(clone.layers, model.layers))
+    nodes = [len(layer._inbound_nodes) for layer in model.layers]
+    model(keras.Input((8,)))  # a symbolic call adds a node to the model, none to its layers
+    assert [len(layer._inbound_nodes) for layer in model.layers] == nodes
+
+
 def test_selections_that_match_nothing_or_save_nothing_are_loud():
     model, x = _application("mobilenetv3")
     with pytest.raises(ValueError, match="No layer .* is an instance of .*LSTM.*Conv2D x"):

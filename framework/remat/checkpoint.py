@@ -219,6 +219,8 @@ class Checkpointed:
         if not tf_internals.executing_eagerly():
             return self._region(call, tensors, state)
         key = _signature(args, kwargs, flat, state)
+        if key is not None:  # each replica of a strategy captures its own variables
+            key = (key, tf_internals.current_device())
         if key not in self._traced:
             layouts: list[_Layout] = []
 
@@ -274,12 +276,18 @@ class Checkpointed:
             run()
             return layout.pack([])
 
+        results: list[tf.Tensor] = []  # the region's results as the rest of the step reads them
+
         @tf.custom_gradient
         def attach(*differentiable):
             outputs = run()
 
             def grad_fn(*dy, variables=None):
                 variables = list(variables or [])
+                # A result nothing reads gets TensorFlow's filled-in zeros as its gradient.
+                dy = [
+                    None if _unused(r) and _filled_with_zeros(g) else g for r, g in zip(results, dy)
+                ]
                 with tf_internals.keras_call_state_entered(state):
                     grads = self._backward(
                         region, call, tensors, closures, effects, snapshots, dy, variables
@@ -288,7 +296,8 @@ class Checkpointed:
 
             return outputs, grad_fn
 
-        return layout.pack(attach(*tensors, *closures))
+        results.extend(attach(*tensors, *closures))
+        return layout.pack(results)
 
     def _backward(self, region, call, tensors, closures, effects, snapshots, dy, variables):
         """Gradients for tensors + closures + variables, from a recomputation of the region."""
@@ -316,7 +325,7 @@ class Checkpointed:
         tf_internals.pass_eager_captures_through_loop(graph)
         targets, upstream = [], []
         for t, g in zip(layout.tensors(), dy):
-            if g is not None and _differentiable(t) and not _filled_with_zeros(g):
+            if g is not None and _differentiable(t):
                 targets.append(t)
                 upstream.append(g)
         grads = iter(
@@ -337,10 +346,16 @@ class Checkpointed:
         return flat
 
 
+def _unused(result: tf.Tensor) -> bool:
+    """Whether no op of the step reads `result` (a graph tensor; eager ones count as used)."""
+    return tf.is_symbolic_tensor(result) and not result.consumers()
+
+
 def _filled_with_zeros(gradient) -> bool:
-    """Whether `gradient` is the zeros TensorFlow's gradient code puts in for a result nothing
-    uses (a constant, `Fill` or `ZerosLike`): differentiating through it would give zeros, not
-    None, to inputs and variables that reach only unused results."""
+    """Whether `gradient` is zeros of the kinds TensorFlow's gradient code puts in for a result
+    nothing uses (a constant, `Fill` or `ZerosLike`). Differentiating through those would give
+    zeros, not None, to inputs and variables that reach only unused results; `_unused` tells
+    them from a real zero gradient of the same form (`sign`'s is `ZerosLike`)."""
     op = getattr(gradient, "op", None)
     if op is None or op.type not in ("Const", "Fill", "ZerosLike"):
         return False

@@ -62,8 +62,8 @@ def repeated_blocks(model: keras.Layer) -> list[keras.Layer]:
     A block class has weights, layers of its own and at least two instances in the model; a
     class of which some instance sits inside another block class is a part of a block (the Dense
     layers of a transformer block), not a block. The top-most instances of the block classes are
-    returned. A layer without layers of its own (Conv2D, Dense) is no block: checkpointed alone,
-    it keeps its input and recomputes one op.
+    returned. One of Keras' own layers without layers inside (Conv2D, Dense) is no block:
+    checkpointed alone, it keeps its input and recomputes one op.
     """
     with_weights = [layer for layer in _all_layers(model) if layer.weights]
     counts = collections.Counter(type(layer) for layer in with_weights)
@@ -75,10 +75,15 @@ def repeated_blocks(model: keras.Layer) -> list[keras.Layer]:
                 if type(inner) is not type(layer):
                     parts.add(type(inner))
     blocks = repeated - parts
-    return _top_most(
-        model,
-        lambda layer: type(layer) in blocks and bool(layer.weights) and bool(_children(layer)),
-    )
+    return _top_most(model, lambda layer: type(layer) in blocks and _is_block(layer))
+
+
+def _is_block(layer: keras.Layer) -> bool:
+    """A layer with weights that runs more than one op of its own: one with layers of its own,
+    or a class of the user's; Keras' own single layers (Conv2D, Dense, BatchNormalization, the
+    LayerScale of keras.applications) are not."""
+    own_class = type(layer).__module__.split(".")[0] != "keras"
+    return bool(layer.weights) and (bool(_children(layer)) or own_class)
 
 
 def _select(model: keras.Layer, layers: LayerSelector) -> list[keras.Layer]:
@@ -121,7 +126,7 @@ def _contents(model: keras.Layer) -> str:
 
 
 def _warn_if_single_layers(chosen: list[keras.Layer]) -> None:
-    lone = [layer.name for layer in chosen if not _children(layer) and not loops_over_steps(layer)]
+    lone = [layer.name for layer in chosen if not _is_block(layer) and not loops_over_steps(layer)]
     if lone:
         shown = ", ".join(lone[:5]) + (f" and {len(lone) - 5} more" if len(lone) > 5 else "")
         warnings.warn(
@@ -206,8 +211,9 @@ def set_grad_checkpointing(
 def _remove(model: keras.Layer) -> None:
     for layer in checkpointed_layers(model):
         unwrap_layer(layer)
-    if tf_internals.is_functional(model):
-        segments.unsegment(model)
+    for layer in [model, *_all_layers(model)]:
+        if tf_internals.is_functional(layer):
+            segments.unsegment(layer)
     _reset_compiled_functions(model)
 
 
@@ -230,6 +236,7 @@ def _segment(model, policy, every: int | None, asked: bool) -> list[segments.Seg
         if asked:
             raise ValueError(message)
         warnings.warn(message, RematSavesNothingWarning, stacklevel=3)
+        _remove(model)
         return []
     _remove(model)
     segments.install(model, found, policy)

@@ -53,13 +53,12 @@ def spans(model: keras.Model) -> list[list]:
     """The model's computing nodes in execution order, split at every cut."""
     graph = tf_internals.functional_graph(model)
     nodes = graph.nodes
-    held = {id(t) for t in graph.inputs}
+    # Held anyway: the inputs, and the outputs once computed (a multi-output backbone).
+    held = {id(t) for t in graph.inputs} | {id(t) for t in graph.outputs}
     last_use: dict[int, int] = {}
     for index, node in enumerate(nodes):
         for t in node.input_tensors:
             last_use[id(t)] = index
-    for t in graph.outputs:
-        last_use[id(t)] = len(nodes)
     result, current, live = [], [], set()
     for index, node in enumerate(nodes):
         current.append(node)
@@ -80,12 +79,13 @@ def segments(model: keras.Model, every: int | None = None) -> list[Segment]:
       model: a built functional model.
       every: spans of two or more layers per segment (default 1: one residual block each). A
         graph without such spans (a chain of single layers) is cut into segments of `every`
-        layers, by default the square root of its length, as `checkpoint_sequential` does.
+        layers (at least 2), by default the square root of its length, as
+        `checkpoint_sequential` does.
     """
     found = spans(model)
     blocks = [s for s in found if len(s) >= 2]
     if not blocks:
-        size = every or max(2, round(math.sqrt(len(found))))
+        size = max(2, every or round(math.sqrt(len(found))))
         groups = [sum(found[i : i + size], []) for i in range(0, len(found), size)]
     else:  # single layers join the block before them (a stem: the first block)
         groups, current, count = [], [], 0
@@ -118,8 +118,10 @@ def _segment(model: keras.Model, nodes: list) -> Segment:
 class SegmentedGraph:
     """Runs a functional model's graph with each segment as one checkpointed region.
 
-    Installed in place of the model's graph runner; symbolic runs (Keras' shape inference) and
-    calls without a gradient tape go through the model's own runner.
+    Installed in place of the model's graph runner. Only the model's own call under a gradient
+    tape runs in segments; everything else goes through Keras' runner unchanged: symbolic runs
+    (shape inference), `clone_model` and other callers that pass their own operation function,
+    inference, and `model.call` made outside the model's `__call__` (no call context).
     """
 
     def __init__(self, model: keras.Model, found: list[Segment], policy: str | Policy):
@@ -136,7 +138,7 @@ class SegmentedGraph:
                 self._plan.append((node, None))
 
     def __call__(self, inputs, operation_fn=None, call_fn=None):
-        if call_fn is not None:
+        if call_fn is not None or not _segmented_run(inputs, operation_fn):
             return self.original(inputs, operation_fn, call_fn)
         graph = tf_internals.functional_graph(self.model)
         values = dict(zip((id(x) for x in graph.inputs), keras.tree.flatten(inputs)))
@@ -149,6 +151,15 @@ class SegmentedGraph:
             results = region([values[id(t)] for t in step.inputs], context=context)
             values.update(zip((id(t) for t in step.outputs), results))
         return graph.pack_outputs([values[id(x)] for x in graph.outputs])
+
+
+def _segmented_run(inputs, operation_fn) -> bool:
+    return (
+        tf_internals.tape_is_active()
+        and tf_internals.keras_call_state().context is not None
+        and tf_internals.is_functional_call_operation(operation_fn)
+        and not any(isinstance(x, keras.KerasTensor) for x in keras.tree.flatten(inputs))
+    )
 
 
 class _Runner:
