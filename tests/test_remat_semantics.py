@@ -530,12 +530,15 @@ class MaskedAttention(keras.layers.Layer):
     """Attention that takes its padding mask from the Keras mask riding on its input, as
     `MultiHeadAttention` (and keras-hub's transformer layers) do."""
 
+    calls = 0
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.supports_masking = True
         self.attention = keras.layers.MultiHeadAttention(2, 4, dropout=0.2, seed=9)
 
     def call(self, x):
+        MaskedAttention.calls += 1
         return x + self.attention(x, x)
 
 
@@ -550,7 +553,9 @@ def test_keras_masks_reach_the_region_and_leave_it(mode):
     x = tf.constant([[3, 4, 5, 0, 0, 0], [7, 8, 9, 10, 11, 0]])
     want = _model_grads(model, mode, x)
     assert len(remat.set_grad_checkpointing(model)) == 2
+    MaskedAttention.calls = 0
     assert_close(_model_grads(model, mode, x), want)
+    assert MaskedAttention.calls >= 4, MaskedAttention.calls  # 2 blocks, each recomputed
 
 
 # 8. Smaller semantic cases.

@@ -187,12 +187,12 @@ def set_grad_checkpointing(
     if every is not None:
         if layers is not None:
             raise ValueError("Pass layers= or every=, not both: every= cuts the layer graph.")
-        return _segment(model, resolved, every, asked=True)
+        return _install_segments(model, resolved, _segments_every(model, every), asked=True)
     chosen = _select(model, layers)
     if layers is None and tf_internals.is_functional(model):
         found = segments.segments(model)
-        if len(found) > 2 * len(chosen):  # blocks wired in the graph, not layer objects
-            return _segment(model, resolved, None, asked=False)
+        if not chosen or len(found) > 2 * len(chosen):  # blocks wired in the graph
+            return _install_segments(model, resolved, found, asked=False)
     if not chosen and layers is None:
         raise ValueError(
             f"Model {model.name!r} has no repeated block (a layer class with weights and layers "
@@ -217,15 +217,19 @@ def _remove(model: keras.Layer) -> None:
     _reset_compiled_functions(model)
 
 
-def _segment(model, policy, every: int | None, asked: bool) -> list[segments.Segment]:
+def _segments_every(model: keras.Layer, every: int) -> list[segments.Segment]:
+    """The segments the user asked for with `every=`, after checking that they can be made."""
     if not tf_internals.is_functional(model):
         raise ValueError(
             f"every= cuts a functional model's layer graph; {model.name!r} is a subclassed "
             "model: pass layers= (names, classes, predicate) instead."
         )
-    if every is not None and (not isinstance(every, int) or every < 1):
+    if not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be a positive integer, got {every!r}")
-    found = segments.segments(model, every)
+    return segments.segments(model, every)
+
+
+def _install_segments(model, policy, found: list, asked: bool) -> list[segments.Segment]:
     if len(found) < 2:
         message = (
             f"Model {model.name!r}'s layer graph has no place where one tensor carries "

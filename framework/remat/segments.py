@@ -96,11 +96,11 @@ def segments(model: keras.Model, every: int | None = None) -> list[Segment]:
             current += span
             count += len(span) >= 2
         groups.append(current)
-    return [_segment(model, g) for g in groups if len(g) >= 2]
-
-
-def _segment(model: keras.Model, nodes: list) -> Segment:
     graph = tf_internals.functional_graph(model)
+    return [_segment(graph, g) for g in groups if len(g) >= 2]
+
+
+def _segment(graph: tf_internals.FunctionalGraph, nodes: list) -> Segment:
     inside = {id(t) for node in nodes for t in node.outputs}
     inputs, seen = [], set()
     for node in nodes:
@@ -125,12 +125,12 @@ class SegmentedGraph:
     """
 
     def __init__(self, model: keras.Model, found: list[Segment], policy: str | Policy):
-        self.model, self.segments = model, found
-        self.original = tf_internals.functional_graph(model).run
+        self.segments = found
+        self.graph = tf_internals.functional_graph(model)
         starts = {id(s.nodes[0]): s for s in found}
         members = {id(node) for s in found for node in s.nodes}
         self._plan: list = []
-        for node in tf_internals.functional_graph(model).nodes:
+        for node in self.graph.nodes:
             if id(node) in starts:
                 segment = starts[id(node)]
                 self._plan.append((segment, checkpoint(_Runner(segment), policy)))
@@ -139,8 +139,8 @@ class SegmentedGraph:
 
     def __call__(self, inputs, operation_fn=None, call_fn=None):
         if call_fn is not None or not _segmented_run(inputs, operation_fn):
-            return self.original(inputs, operation_fn, call_fn)
-        graph = tf_internals.functional_graph(self.model)
+            return self.graph.run(inputs, operation_fn, call_fn)
+        graph = self.graph
         values = dict(zip((id(x) for x in graph.inputs), keras.tree.flatten(inputs)))
         # The model's call-context arguments (`training`), as the model's call resolved them.
         context = tf_internals.keras_call_state().context or ()
