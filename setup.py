@@ -2,6 +2,12 @@
 
 from setuptools import find_packages, setup
 
+# The TPU compiler, for plans made for a TPU chip on any host (`memory.compiled_bytes(...,
+# target="v5e")`, `framework.planner --target=v5e`): libtpu ships it, jax and jaxlib are the only
+# way in, and `jax[tpu]==0.10.2` pins this libtpu. framework/jax_internals.py names the same
+# releases; keep the two in step.
+TPU_COMPILER = ["jax==0.10.2", "jaxlib==0.10.2", "libtpu==0.0.42.*"]
+
 setup(
     name="framework",
     version="0.1.0",
@@ -25,15 +31,18 @@ setup(
         # data.tfds; tensorflow-datasets names no TensorFlow version, and 4.9.10 installs and
         # runs beside TensorFlow 2.20 and 2.21 (protobuf, numpy 2).
         "tfds": ["tensorflow-datasets>=4.9.10,<5"],
+        "tpu": TPU_COMPILER,
         # pytest-xdist: the README's test command runs the suite in 2 worker processes.
         # keras-hub: remat is tested on its backbones (tests/test_remat_user_models.py); 0.32
         # needs keras>=3.15 and tensorflow-text>=2.20.1, which both supported TensorFlows take.
+        # The TPU compiler: TPU plans are tested on small steps (tests/test_memory_tpu.py).
         "test": [
             "pytest>=8",
             "pytest-xdist>=3.6",
             "ruff>=0.6",
             "tensorflow-datasets>=4.9.10,<5",
             "keras-hub>=0.32,<0.33",
+            *TPU_COMPILER,
         ],
     },
     entry_points={

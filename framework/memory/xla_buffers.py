@@ -18,6 +18,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from framework.memory.allocator import default_device
 from framework.memory.units import format_bytes
 from framework.tf_internals import hlo_pb2, is_jit_compiled, xla_data_pb2
 
@@ -55,6 +56,13 @@ class CompiledMemory:
       peak_bytes: bytes live at the program's peak (see `memory_from_hlo_proto` and
         `parse_buffer_assignment` for how each counts it).
       peak_buffers: the buffers live at the peak, largest first.
+      compiler: who planned it, e.g. "XLA:CPU" or "TPU v5e (libtpu 0.0.42.1)".
+      on_chip_bytes: buffers the compiler placed outside the device's main memory (a TPU's
+        VMEM and SMEM, on-chip scratch); not part of the totals above, which count main memory
+        (HBM on a TPU) only.
+      generated_code_bytes: the compiled program's code, also in device memory on a TPU.
+      capacity_bytes: the target's memory (a TPU chip's HBM), when compiled for a named chip.
+      flops: the compiler's own FLOP count of the optimised program, when it reports one.
     """
 
     module: str
@@ -64,17 +72,22 @@ class CompiledMemory:
     temp_bytes: int
     peak_bytes: int
     peak_buffers: tuple[Buffer, ...]
+    compiler: str = "XLA"
+    on_chip_bytes: int = 0
+    generated_code_bytes: int = 0
+    capacity_bytes: int | None = None
+    flops: float | None = None
 
     def summary(self, top: int = 10) -> str:
         """A few lines for logs: the totals and the `top` largest buffers at the peak."""
         lines = [
-            f"XLA buffer assignment of {self.module}:",
+            f"{self.compiler} buffer assignment of {self.module}:",
             (
                 f"  total {format_bytes(self.total_bytes)} = parameters "
                 f"{format_bytes(self.parameter_bytes)} + outputs "
                 f"{format_bytes(self.output_bytes)} + temps {format_bytes(self.temp_bytes)}"
             ),
-            f"  live at peak {format_bytes(self.peak_bytes)}, largest buffers:",
+            f"  live at peak {format_bytes(self.peak_bytes)}{self._capacity()}, largest buffers:",
         ]
         for buf in self.peak_buffers[:top]:
             lines.append(
@@ -83,23 +96,32 @@ class CompiledMemory:
             )
         return "\n".join(lines)
 
+    def _capacity(self) -> str:
+        return f" of {format_bytes(self.capacity_bytes)}" if self.capacity_bytes else ""
+
 
 def _sorted(buffers: Iterable[Buffer]) -> tuple[Buffer, ...]:
     return tuple(sorted(buffers, key=lambda b: (-b.size_bytes, b.instruction)))
 
 
 def _compiled_memory(
-    module: str, totals: collections.Counter, peak_buffers: list[Buffer]
+    module: str, totals: collections.Counter, peak_buffers: list[Buffer], **details: Any
 ) -> CompiledMemory:
     return CompiledMemory(
         module=module,
-        total_bytes=sum(totals.values()),
+        total_bytes=totals["parameter"] + totals["output"] + totals["temp"],
         parameter_bytes=totals["parameter"],
         output_bytes=totals["output"],
         temp_bytes=totals["temp"],
         peak_bytes=sum(b.size_bytes for b in peak_buffers),
         peak_buffers=_sorted(peak_buffers),
+        **details,
     )
+
+
+# XLA's memory space of the device's main memory (HBM on a TPU or GPU); a TPU compiler colours
+# its on-chip memories (VMEM, SMEM) with other numbers.
+_MAIN_MEMORY = 0
 
 
 def _allocation_kind(is_parameter: bool, is_output: bool) -> str:
@@ -153,11 +175,13 @@ def _heap_peak(trace: hlo_pb2.HeapSimulatorTrace, sizes: dict[int, int]) -> dict
     return at_peak
 
 
-def memory_from_hlo_proto(proto: hlo_pb2.HloProto) -> CompiledMemory:
+def memory_from_hlo_proto(proto: hlo_pb2.HloProto, compiler: str = "XLA") -> CompiledMemory:
     """Reads a `CompiledMemory` from an `HloProto` that carries its buffer assignment.
 
     The peak is the parameters and outputs (live for the whole program) plus, for each heap that
-    XLA simulated to pack the temps, the temps live at that heap's peak.
+    XLA simulated to pack the temps, the temps live at that heap's peak. Only the device's main
+    memory counts (memory space, or "color", 0); what a TPU compiler puts in on-chip memory is
+    `on_chip_bytes`. `compiler` labels the result.
 
     Buffers are matched to instructions by name: the heap traces name the temps, parameter
     numbers name the parameters. Instruction ids are not used for them, because with
@@ -194,6 +218,9 @@ def memory_from_hlo_proto(proto: hlo_pb2.HloProto) -> CompiledMemory:
     totals = collections.Counter()
     peak_buffers = []
     for alloc in assignment.buffer_allocations:
+        if alloc.color != _MAIN_MEMORY:
+            totals["on chip"] += alloc.size
+            continue
         kind = _allocation_kind(alloc.is_entry_computation_parameter, alloc.maybe_live_out)
         totals[kind] += alloc.size
         if kind == "parameter":
@@ -204,14 +231,19 @@ def memory_from_hlo_proto(proto: hlo_pb2.HloProto) -> CompiledMemory:
             peak_buffers.append(describe_output(alloc))
     sizes = {i: buf.size for i, buf in logical.items()}
     for trace in assignment.heap_simulator_traces:
+        # XLA simulates one heap per memory space; the first buffer tells which.
+        if not trace.events or logical[trace.events[0].buffer_id].color != _MAIN_MEMORY:
+            continue
         for buffer_id, name in _heap_peak(trace, sizes).items():
             index = logical[buffer_id].defined_at.shape_index
             peak_buffers.append(describe(name, index, sizes[buffer_id], "temp"))
-    return _compiled_memory(module.name, totals, peak_buffers)
+    return _compiled_memory(
+        module.name, totals, peak_buffers, compiler=compiler, on_chip_bytes=totals["on chip"]
+    )
 
 
 def compiled_bytes(
-    fn: Callable[..., Any], *args: Any, platform_name: str | None = None, **kwargs: Any
+    fn: Callable[..., Any], *args: Any, target: str | None = None, **kwargs: Any
 ) -> CompiledMemory:
     """Compiles `fn(*args, **kwargs)` with XLA, without running it, and returns XLA's plan.
 
@@ -226,7 +258,10 @@ def compiled_bytes(
     Args:
       fn: the jit-compiled function.
       *args: its positional arguments.
-      platform_name: compile for this platform, e.g. "TPU"; default: where `fn` would run.
+      target: None for the XLA compiler of the device `fn` would run on (labelled "XLA:CPU",
+        "XLA:GPU", ...), or a TPU chip ("v5e", "v4", "v5p-8", ...; see `tpu.tpu_chip`) to
+        compile for it with libtpu's compiler on this host, with or without a TPU (the `tpu`
+        extra).
       **kwargs: its keyword arguments.
     """
     if not is_jit_compiled(fn):
@@ -235,10 +270,12 @@ def compiled_bytes(
             f"programs it compiles, and {fn!r} is not one."
         )
     ir = fn.experimental_get_compiler_ir(*args, **kwargs)
-    proto = hlo_pb2.HloProto.FromString(
-        ir(stage="optimized_hlo_proto_serialized", platform_name=platform_name)
-    )
-    return memory_from_hlo_proto(proto)
+    if target is not None:
+        from framework.memory import tpu
+
+        return tpu.compile_for_chip(ir(stage="hlo_serialized"), tpu.tpu_chip(target))
+    proto = hlo_pb2.HloProto.FromString(ir(stage="optimized_hlo_proto_serialized"))
+    return memory_from_hlo_proto(proto, compiler=f"XLA:{default_device().split(':')[-2]}")
 
 
 _ALLOCATION_RE = re.compile(r"^allocation \d+: size (?P<size>\d+), (?P<rest>.*)$")

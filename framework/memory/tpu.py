@@ -1,0 +1,186 @@
+"""The TPU compiler's memory plan of a step, on any host: a chip named, nothing run.
+
+XLA's TPU compiler plans memory differently from its CPU compiler: other fusions, other
+layouts (a TPU tiles each array's two minor dimensions, padding them to 8 x 128), a scheduler
+that trades memory for overlap, and on-chip memories (VMEM) that take what the CPU would keep in
+main memory. A figure from XLA:CPU is therefore not a TPU's. libtpu ships the TPU compiler with a
+compile-only client, which compiles for a named chip without one attached; this module hands it
+TensorFlow's HLO and reads back the plan in the same `CompiledMemory` shape the CPU path returns.
+
+What it cannot tell: anything only running shows (the TPU runtime's own reservations, the
+input pipeline's buffers, fragmentation over many steps). Those need a TPU VM: compare with
+`peak_bytes` there.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+from framework.memory.xla_buffers import CompiledMemory, memory_from_hlo_proto
+from framework.tf_internals import hlo_pb2, xla_data_pb2
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuChip:
+    """One TPU generation, as the compile-only client and a planner see it.
+
+    Attributes:
+      name: the short name, e.g. "v5e".
+      accelerator_prefix: how Cloud TPU names its slices, e.g. "v5litepod" in "v5litepod-16".
+      topology / chip_config: the compile-only topology the per-device program is compiled for
+        ("megacore" on v4 and v5p, whose two TensorCores act as one device).
+      hbm_bytes: HBM per chip (one device), from Cloud TPU's system architecture pages.
+      peak_flops: dense bf16 FLOP/s per chip, from the same pages.
+    """
+
+    name: str
+    accelerator_prefix: str
+    topology: str
+    chip_config: str
+    hbm_bytes: int
+    peak_flops: float
+
+
+GIB = 1024**3
+
+TPU_CHIPS = {
+    chip.name: chip
+    for chip in (
+        TpuChip("v4", "v4", "v4:2x2x1", "megacore", 32 * GIB, 275e12),
+        TpuChip("v5e", "v5litepod", "v5e:1x1", "default", 16 * GIB, 197e12),
+        TpuChip("v5p", "v5p", "v5p:2x2x1", "megacore", 95 * GIB, 459e12),
+        TpuChip("v6e", "v6e", "v6e:1x1", "default", 32 * GIB, 918e12),
+    )
+}
+
+
+def tpu_chip(name: str) -> TpuChip:
+    """The chip a name stands for: "v5e", or a Cloud TPU accelerator type such as
+    "v5litepod-16", "v4-32" or "v6e-8" (the slice's size does not matter: the plan is per device).
+
+    Raises:
+      ValueError: naming the chips known.
+    """
+    key = re.sub(r"-\d+$", "", name.strip().lower())
+    for chip in TPU_CHIPS.values():
+        if key in (chip.name, chip.accelerator_prefix):
+            return chip
+    known = ", ".join(f"{c.name} ({c.accelerator_prefix}-N)" for c in TPU_CHIPS.values())
+    raise ValueError(f"Unknown TPU chip {name!r}; known: {known}.")
+
+
+# TensorFlow ops through which a random op leaves its algorithm to the device ("auto_select",
+# the default of `tf.random.stateless_*` and so of Keras' dropout and seed generators).
+_AUTO_SELECTED = frozenset(
+    {"StatelessRandomGetKeyCounter", "StatelessRandomGetKeyCounterAlg", "StatelessRandomGetAlg"}
+)
+
+
+def _auto_selected(rng: hlo_pb2.HloInstructionProto, by_id: dict) -> bool:
+    """Whether the state of an rng-bit-generator comes from TensorFlow's device-chosen key."""
+    todo, seen = list(rng.operand_ids), set()
+    while todo:
+        inst = by_id[todo.pop()]
+        if inst.metadata.op_type in _AUTO_SELECTED:
+            return True
+        if inst.id not in seen:
+            seen.add(inst.id)
+            todo.extend(inst.operand_ids)
+    return False
+
+
+def lower_random_for_tpu(hlo_module: bytes) -> bytes:
+    """TensorFlow's CPU lowering of a program, with its random numbers lowered as on a TPU.
+
+    The HLO TensorFlow hands out was lowered for the host's XLA device, where an op that leaves
+    the algorithm to the device ("auto_select") draws with Philox. On a TPU, TensorFlow picks
+    the TPU's own generator (XLA's RNG_DEFAULT, a 2-word state) for the same op. The two plan
+    very differently: XLA:TPU expands Philox into `u32[N/4, 4]` blocks whose minor dimension 4
+    is padded to 128 lanes, so a dropout mask of N values costs 32 times its size. Each such
+    generator is switched to RNG_DEFAULT here, its state cut to 2 words, and readers of its new
+    state given the old one: the values drawn differ, the shapes and so the plan are the TPU's.
+    Generators with an explicit algorithm (`alg="philox"`, `tf.random.Generator`) are left
+    as they are, as TensorFlow on a TPU leaves them.
+    """
+    module = hlo_pb2.HloModuleProto.FromString(hlo_module)
+    by_id = {inst.id: inst for comp in module.computations for inst in comp.instructions}
+    readers = collections.defaultdict(list)
+    for inst in by_id.values():
+        for operand in inst.operand_ids:
+            readers[operand].append(inst)
+    next_id = max(by_id, default=0) + 1
+    for comp in module.computations:
+        instructions = []
+        for inst in comp.instructions:
+            if (
+                inst.opcode == "rng-bit-generator"
+                and inst.rng_algorithm == xla_data_pb2.RNG_PHILOX
+                and _auto_selected(inst, by_id)
+            ):
+                state = inst.operand_ids[0]
+                cut = hlo_pb2.HloInstructionProto(
+                    name=f"{inst.name}.tpu_state", opcode="slice", id=next_id, operand_ids=[state]
+                )
+                next_id += 1
+                cut.shape.CopyFrom(by_id[state].shape)
+                cut.shape.dimensions[:] = [_TPU_RNG_STATE_WORDS]
+                cut.slice_dimensions.add(start=0, limit=_TPU_RNG_STATE_WORDS, stride=1)
+                cut.metadata.CopyFrom(inst.metadata)
+                instructions.append(cut)
+                by_id[cut.id] = cut
+                inst.operand_ids[0] = cut.id
+                inst.rng_algorithm = xla_data_pb2.RNG_DEFAULT
+                inst.shape.tuple_shapes[0].dimensions[:] = [_TPU_RNG_STATE_WORDS]
+                for element in readers[inst.id]:
+                    if element.opcode == "get-tuple-element" and element.tuple_index == 0:
+                        element.shape.dimensions[:] = [_TPU_RNG_STATE_WORDS]
+                        for reader in readers[element.id]:
+                            reader.operand_ids[:] = [
+                                state if i == element.id else i for i in reader.operand_ids
+                            ]
+            instructions.append(inst)
+        del comp.instructions[:]
+        comp.instructions.extend(instructions)
+    return module.SerializeToString()
+
+
+# The state of XLA:TPU's default generator: u64[2].
+_TPU_RNG_STATE_WORDS = 2
+
+
+def compile_for_chip(
+    hlo_module: bytes, chip: TpuChip, compiler_flags: dict[str, str] | None = None
+) -> CompiledMemory:
+    """libtpu's plan of a serialized HloModuleProto (TensorFlow's
+    `experimental_get_compiler_ir(...)(stage="hlo_serialized")`) compiled for one `chip`.
+
+    Random numbers TensorFlow lets the device choose are drawn as on a TPU (see
+    `lower_random_for_tpu`). The totals are the compiler's own memory statistics (what a TPU's
+    runtime allocates in HBM); the buffers at the peak come from its buffer assignment, HBM only.
+    `compiler_flags` are libtpu flags for this compilation, e.g.
+    {"xla_tpu_max_hbm_size_mib": "8192"}.
+
+    Raises:
+      MissingDependency: the `tpu` extra (jax, jaxlib, libtpu) is not installed.
+    """
+    from framework import jax_internals
+
+    device = jax_internals.tpu_device(chip.topology, chip.chip_config)
+    compiled = jax_internals.compile_for_tpu(
+        lower_random_for_tpu(hlo_module), device, compiler_flags
+    )
+    label = f"TPU {chip.name} (libtpu {jax_internals.versions()['libtpu']})"
+    plan = memory_from_hlo_proto(hlo_pb2.HloProto.FromString(compiled.hlo_proto), label)
+    outputs = compiled.output_bytes - compiled.alias_bytes
+    return dataclasses.replace(
+        plan,
+        total_bytes=compiled.argument_bytes + outputs + compiled.temp_bytes,
+        parameter_bytes=compiled.argument_bytes,
+        output_bytes=outputs,
+        temp_bytes=compiled.temp_bytes,
+        generated_code_bytes=compiled.generated_code_bytes,
+        capacity_bytes=chip.hbm_bytes,
+        flops=compiled.flops,
+    )
