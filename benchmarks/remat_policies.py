@@ -19,6 +19,7 @@ fails (Keras' `RematScope("full")` under `tf.function`) is reported as "crash: <
 
     python benchmarks/remat_policies.py --out=benchmarks/results/remat_policies.md
     python benchmarks/remat_policies.py --quick --models=stack --settings=none,nothing_saveable
+    python benchmarks/remat_policies.py --target=v5e --compile_only  # XLA:CPU beside TPU v5e
 """
 
 from __future__ import annotations
@@ -252,8 +253,17 @@ def median_step_times(steps_to_time: list[Callable], x: Any, y: Any, repeats: in
     return [statistics.median(spent) for spent in times]
 
 
-def measure(model_name: str, setting: str, steps: int, quick: bool) -> dict[str, Any]:
-    """One (model, setting) in this process: memory, compiled bytes, step time, gradient error."""
+def measure(
+    model_name: str,
+    setting: str,
+    steps: int,
+    quick: bool,
+    target: str | None = None,
+    compile_only: bool = False,
+) -> dict[str, Any]:
+    """One (model, setting) in this process: memory, compiled bytes, step time, gradient error;
+    with `target`, also the TPU compiler's temp bytes for that chip; with `compile_only`, the
+    compiled figures alone (nothing runs)."""
     spec = model_spec(model_name, quick)
     x, y = spec.batch()
     result: dict[str, Any] = {"model": model_name, "setting": setting}
@@ -263,6 +273,20 @@ def measure(model_name: str, setting: str, steps: int, quick: bool) -> dict[str,
         result["error"] = result["grad_crash"] = _one_line(error)
         return result
     step = train_step(spec, model)
+    if target:
+        try:
+            tpu_plan = memory.compiled_bytes(step, x, y, target=target)
+            result["tpu_temp_bytes"] = tpu_plan.temp_bytes
+            result["tpu_compiler"] = tpu_plan.compiler
+        except Exception as error:
+            result["tpu_error"] = _one_line(error)
+    if compile_only:
+        try:
+            plan = memory.compiled_bytes(step, x, y)
+            result["temp_bytes"], result["total_bytes"] = plan.temp_bytes, plan.total_bytes
+        except Exception as error:
+            result["error"] = _one_line(error)
+        return result
     try:
         step(x, y).numpy()
         result["step_bytes"] = memory.peak_bytes(step, x, y).step_bytes
@@ -298,11 +322,13 @@ def child_json(script: str, args: list[str], identity: dict[str, Any]) -> dict[s
     return {**identity, "error": f"process died: {tail}"[:140]}
 
 
-def run_child(model_name: str, setting: str, steps: int, quick: bool) -> dict[str, Any]:
+def run_child(
+    model_name: str, setting: str, steps: int, quick: bool, target: str | None, compile_only: bool
+) -> dict[str, Any]:
     """Runs `measure` in a fresh Python process."""
-    args = ["--child", f"{model_name}:{setting}", f"--steps={steps}"] + (
-        ["--quick"] if quick else []
-    )
+    args = ["--child", f"{model_name}:{setting}", f"--steps={steps}"]
+    args += ["--quick"] * quick + [f"--target={target}"] * bool(target)
+    args += ["--compile_only"] * compile_only
     return child_json(__file__, args, {"model": model_name, "setting": setting})
 
 
@@ -321,6 +347,30 @@ def _mib(n: float) -> str:
 
 def _ratio(value: float | None, base: float | None) -> str:
     return f"{value / base:.2f}" if value is not None and base else "-"
+
+
+def format_compiled_table(results: list[dict[str, Any]]) -> str:
+    """XLA:CPU's and the TPU compiler's temp bytes side by side, each as a ratio to no remat."""
+    compiler = next((r["tpu_compiler"] for r in results if "tpu_compiler" in r), "TPU")
+    rows = [
+        f"| model | setting | XLA:CPU temp MiB | ratio | {compiler} temp MiB | ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    base = {r["model"]: r for r in results if r["setting"] == "none"}
+    for r in results:
+        b = base.get(r["model"], {})
+        cpu = (
+            [_mib(r["temp_bytes"]), _ratio(r["temp_bytes"], b.get("temp_bytes"))]
+            if "temp_bytes" in r
+            else [f"crash: {r.get('error')}", ""]
+        )
+        tpu = (
+            [_mib(r["tpu_temp_bytes"]), _ratio(r["tpu_temp_bytes"], b.get("tpu_temp_bytes"))]
+            if "tpu_temp_bytes" in r
+            else [f"crash: {r.get('tpu_error', r.get('error'))}", ""]
+        )
+        rows.append("| " + " | ".join([r["model"], label(r["setting"]), *cpu, *tpu]) + " |")
+    return "\n".join(rows)
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
@@ -458,14 +508,31 @@ def format_report(
     quick: bool,
     started: datetime.datetime,
     loads: list[float],
+    compile_only: bool = False,
 ) -> str:
     """The whole report: how it was run and on what, the table, and the targets."""
     command = "python " + " ".join([os.path.relpath(__file__, REPO_DIR), *sys.argv[1:]])
     minutes = (datetime.datetime.now() - started).total_seconds() / 60
-    lines = [
+    header = [
         f"Command: `{command}`",
         f"Date: {started:%Y-%m-%d %H:%M}, took {minutes:.1f} min",
         f"Machine: {machine()}",
+    ]
+    tpu_table = []
+    if any("tpu_temp_bytes" in r or "tpu_error" in r for r in results):
+        tpu_table = [
+            "",
+            "Compiled, not run: XLA:CPU's buffer assignment and the TPU compiler's (libtpu's "
+            "compile-only client, `memory.compiled_bytes(..., target=)`) of the same step; TPU "
+            "temp bytes count HBM only (what fits in on-chip VMEM is not in them).",
+            "",
+            format_compiled_table(results),
+        ]
+    if compile_only:
+        models = [f"- {m}: {model_spec(m, quick).description}" for m in model_names]
+        return "\n".join([*header, *models, *tpu_table]).rstrip() + "\n"
+    lines = [
+        *header,
         f"Load average (1 min) when each setting started: {min(loads):.1f} to {max(loads):.1f} "
         f"on {os.cpu_count()} CPUs (a shared machine: other processes competed for the cores).",
         "Step: `tf.function(jit_compile=True)`: forward, backward, SGD apply. Peak: allocator peak "
@@ -478,6 +545,7 @@ def format_report(
         *[f"- {m}: {model_spec(m, quick).description}" for m in model_names],
         "",
         format_table(results),
+        *tpu_table,
     ]
     if not quick:
         lines += ["", format_targets(results)]
@@ -494,6 +562,16 @@ def main() -> None:
     parser.add_argument("--out", help="also write the report (markdown) to this file")
     parser.add_argument("--plot", help="also draw memory against time (PNG) to this file")
     parser.add_argument("--quick", action="store_true", help="tiny models, for a smoke test")
+    parser.add_argument(
+        "--target",
+        help="also compile each step for this TPU chip (v5e, v4, ...; the tpu extra) and "
+        "report its temp bytes beside XLA:CPU's",
+    )
+    parser.add_argument(
+        "--compile_only",
+        action="store_true",
+        help="compiled figures only (XLA:CPU and --target): nothing runs, nothing is timed",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.steps is not None and args.steps < 1:
@@ -501,8 +579,16 @@ def main() -> None:
     steps = args.steps or (2 if args.quick else 5)
     if args.child:
         model_name, setting = args.child.split(":", 1)
-        print(json.dumps(measure(model_name, setting, steps, args.quick)))
+        result = measure(model_name, setting, steps, args.quick, args.target, args.compile_only)
+        print(json.dumps(result))
         return
+    if args.target:
+        from framework.memory import tpu
+
+        try:
+            tpu.tpu_chip(args.target)
+        except ValueError as error:
+            parser.error(str(error))
 
     model_names, settings = args.models.split(","), args.settings.split(",")
     for name, known in [(m, MODELS) for m in model_names] + [(s, SETTINGS) for s in settings]:
@@ -520,10 +606,15 @@ def main() -> None:
     for model_name in model_names:
         for setting in settings:
             loads.append(os.getloadavg()[0])
-            results.append(run_child(model_name, setting, steps, args.quick))
+            results.append(
+                run_child(model_name, setting, steps, args.quick, args.target, args.compile_only)
+            )
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    write_report(format_report(results, model_names, steps, args.quick, started, loads), args.out)
-    if args.plot:
+    report = format_report(
+        results, model_names, steps, args.quick, started, loads, args.compile_only
+    )
+    write_report(report, args.out)
+    if args.plot and not args.compile_only:
         plot(results, args.plot)
 
 

@@ -113,6 +113,9 @@ def tpu_device(topology: str, chip_config: str):
     """The first device of a compile-only TPU topology, e.g. ("v5e:1x1", "default") or
     ("v4:2x2x1", "megacore"); a "megacore" device is one chip's two TensorCores as one."""
     chips = tuple(int(n) for n in topology.split(":")[1].split("x"))
+    # libtpu takes a host-wide lock file when it starts, so that two processes do not drive one
+    # TPU. A compile-only client drives none, and the planner's compile workers each start one.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     with _quiet_start_up():
         description = _topologies.get_topology_desc(
             platform="tpu",

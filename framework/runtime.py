@@ -16,7 +16,7 @@ import keras
 import tensorflow as tf
 
 from framework import checks, distribute, flops, tf_internals, xla
-from framework.memory import units
+from framework.memory import tpu, units
 
 PRECISIONS = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
 # Datasheet peak of dense matrix products, TFLOP/s per GPU, in bfloat16 (what MFU is quoted
@@ -46,6 +46,9 @@ class Runtime:
       xla_memory_limit: a byte size ("14GiB") under which XLA's own rematerialization pass keeps
         each compiled program, on TPUs and GPUs (`xla.remat_limit_flags`; docs/memory.md). XLA:CPU
         has no such pass: set here on a CPU runtime it is an error at start.
+      accelerator_type: the Cloud TPU the run trains on, e.g. "v5litepod-16" (`launch/tpu_pod.py`
+        binds it). `Trainer.remat_policy = "auto"` then plans with the TPU compiler for that
+        chip, on any host (`memory.tpu`), and its HBM is the default memory budget.
     """
 
     strategy: str = "one_device"
@@ -59,6 +62,7 @@ class Runtime:
     precision: str = "float32"
     peak_tflops: float | None = None
     xla_memory_limit: str | None = None
+    accelerator_type: str | None = None
 
     def __post_init__(self) -> None:
         # Gin passes any value: check before anything is set or built.
@@ -79,6 +83,11 @@ class Runtime:
                 units.parse_bytes(self.xla_memory_limit)
             except ValueError as error:
                 raise ValueError(f"Runtime.xla_memory_limit: {error}") from None
+        if self.accelerator_type is not None:
+            try:
+                tpu.tpu_chip(self.accelerator_type)
+            except ValueError as error:
+                raise ValueError(f"Runtime.accelerator_type: {error}") from None
 
     def start(self) -> tf.distribute.Strategy:
         """Sets the compiler flags and the precision, then builds and returns the strategy.

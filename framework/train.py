@@ -135,6 +135,8 @@ def resolve_auto_policy(
 ):
     """Replaces `Trainer.remat_policy = "auto"` by the planner's pick for --memory_budget and
     returns the action that puts the run's measured peak beside the budget (None without auto).
+    With `Runtime.accelerator_type` bound, the plan is the TPU compiler's for that chip and the
+    budget defaults to its HBM.
 
     The plan (`plan.json`, `plan.png`) is written to model_dir beside the run, and the pick is
     bound in gin so that the `config.gin` of the run names the policy it trained with. On a CPU
@@ -150,10 +152,24 @@ def resolve_auto_policy(
                 f"--gin.{name}=\"'auto'\""
             )
         return None
-    if budget is None:
-        raise UsageError(f"{name} = 'auto' needs --memory_budget, e.g. 16GiB")
+    target = cli.bound_value("Runtime.accelerator_type")
+    if budget is None and target is None:
+        raise UsageError(
+            f"{name} = 'auto' needs --memory_budget, e.g. 16GiB (or Runtime.accelerator_type: "
+            "its HBM)"
+        )
     from framework import actions, memory, planner
+    from framework.memory import tpu
 
+    if target is not None:
+        try:
+            budget = budget or tpu.tpu_chip(target).hbm_bytes
+        except ValueError as error:
+            raise UsageError(f"Runtime.accelerator_type: {error}") from None
+        if FLAGS.measure == "run":
+            raise UsageError(
+                f"{name} = 'auto' on TPU {target} plans with the TPU compiler: drop --measure=run"
+            )
     memory.enable_cpu_bfc_allocator()
 
     config = planner.RunConfig(files, bindings, FLAGS.gin_search_paths)
@@ -166,6 +182,7 @@ def resolve_auto_policy(
             measure=FLAGS.measure,
             search_budget=FLAGS.search_budget,
             compile_processes=FLAGS.compile_processes,
+            target=target,
         )
     except planner.ConfigError as error:
         raise UsageError(str(error)) from None

@@ -71,6 +71,10 @@ TPU_PEAK_TFLOPS = {
     "v5e": 197.0,
     "v6e": 918.0,
 }
+# Families whose chips the TPU compiler can plan for on any host (framework/memory/tpu.py's
+# TPU_CHIPS; a test compares the two): the launcher binds `Runtime.accelerator_type` for them, so
+# that `Trainer.remat_policy = "auto"` plans with the TPU compiler for the chip the run has.
+PLANNABLE = ("v4", "v5p", "v5litepod", "v5e", "v6e")
 SINGLE_HOST_MAX = 8
 # Remote paths: everything the launcher writes on a worker lives in this one directory, marked
 # as its own so that `setup` never replaces a directory it did not make.
@@ -666,12 +670,15 @@ def training_command(
     `--gin.` bindings still override it. On a pod the TPU's name reaches the resolver both as the
     `Runtime.tpu` binding and as TPU_NAME, and TPU_LOAD_LIBRARY=0 keeps the client from loading
     libtpu, which the hosts' TPU worker services own (Google's TF pod tests set the same two).
-    The device's peak TFLOP/s is bound from the accelerator type, unless the user binds it.
+    The device's peak TFLOP/s and the accelerator type itself (for the TPU compiler's plans)
+    are bound from the accelerator type, unless the user binds them.
     """
     peak = []
+    family = accelerator_family(accelerator_type)[0]
     if not any("Runtime.peak_tflops" in arg for arg in args.train_args):
-        tflops = TPU_PEAK_TFLOPS[accelerator_family(accelerator_type)[0]]
-        peak = [f"--gin.Runtime.peak_tflops={tflops}"]
+        peak = [f"--gin.Runtime.peak_tflops={TPU_PEAK_TFLOPS[family]}"]
+    if family in PLANNABLE and not any("Runtime.accelerator_type" in a for a in args.train_args):
+        peak.append(f'--gin.Runtime.accelerator_type="{accelerator_type}"')
     if is_multi_host(accelerator_type):
         flags = ["--gin_file=runtime/tpu_pod.gin", f'--gin.Runtime.tpu="{args.name}"']
         environment = {"TPU_NAME": args.name, "TPU_LOAD_LIBRARY": "0"}

@@ -65,6 +65,29 @@ def test_remat_policies_quick(tmp_path):
     assert float(full[8]) < 1e-5, full
 
 
+def test_remat_policies_compiled_for_a_tpu_quick(tmp_path):
+    out = tmp_path / "remat_policies_tpu.md"
+    run_benchmark(
+        "remat_policies.py",
+        "--quick",
+        "--models=stack",
+        "--settings=none,nothing_saveable",
+        "--target=v5e",
+        "--compile_only",
+        f"--out={out}",
+    )
+    report = out.read_text()
+    assert "| XLA:CPU temp MiB | ratio | TPU v5e (libtpu 0.0.42" in report, report
+    rows = _table_rows(report, "stack")
+    assert set(rows) == {"no remat", "`nothing_saveable`"}, report
+    # Columns: model, setting, XLA:CPU temp MiB, ratio, TPU temp MiB, ratio (a tiny step's
+    # scratch fits on chip: 0 MiB in HBM, no ratio).
+    base, full = rows["no remat"], rows["`nothing_saveable`"]
+    assert base[3] == "1.00" and float(full[3]) < 1, report
+    assert float(base[4]) >= 0 and float(full[4]) >= 0, report
+    assert "step s" not in report  # nothing ran
+
+
 def test_profile_step_quick():
     proc = run_benchmark(
         "profile_step.py",

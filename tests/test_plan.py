@@ -84,7 +84,8 @@ def test_nothing_fits_names_the_smallest_and_how_far_over(tight_plan):
     assert "over the usable budget" in verdict
     assert plan_json["verdict"] == verdict and plan_json["pick"] is None
     # The flags the steps were compiled under, since the figures hold only under them.
-    assert lines[-3].startswith("compiled under XLA_FLAGS=") and SCHEDULER_FLAG in lines[-3]
+    assert lines[-3].startswith("planned by XLA:CPU, compiled under XLA_FLAGS=")
+    assert SCHEDULER_FLAG in lines[-3]
     assert SCHEDULER_FLAG in plan_json["xla_flags"]["XLA_FLAGS"]
 
 
@@ -229,6 +230,44 @@ def test_a_compile_plan_leaves_out_what_cannot_beat_a_fit(tmp_path):
     assert "XLA plans" in result.stderr and "nothing_saveable @ 64: XLA plans" not in result.stderr
 
 
+def test_a_tpu_target_plans_every_setting_with_the_tpu_compiler(tmp_path):
+    """--target=v5e: libtpu's compiler plans each setting (two workers, each starting its own
+    libtpu), times come from its FLOPs at the chip's peak, the table names the compiler."""
+    result = run_module(
+        "framework.planner",
+        *TINY,
+        POLICIES,
+        "--target=v5e",
+        "--search_budget=false",
+        "--compile_processes=2",
+        "--memory_budget=1KiB",  # nothing fits, so nothing is left out
+        f"--model_dir={tmp_path}",
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    plan_json = json.loads((tmp_path / "plan.json").read_text())
+    none, full = measurements(plan_json)
+    for m in (none, full):
+        assert m.ok and m.measure == "compile" and m.compiler.startswith("TPU v5e (libtpu ")
+        assert m.peak_flops == 197e12 and m.compiled_step_bytes > m.state_bytes > 0
+    assert full.step_flops > none.step_flops > 0  # the recomputation, as the compiler counts
+    assert "planned by TPU v5e (libtpu " in result.stdout
+
+
+def test_a_tpu_targets_budget_defaults_to_its_hbm(tmp_path):
+    result = run_module(
+        "framework.planner",
+        *TINY,
+        "--policies=nothing_saveable",
+        "--target=v5litepod-8",
+        "--search_budget=false",
+        f"--model_dir={tmp_path}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan_json = json.loads((tmp_path / "plan.json").read_text())
+    assert plan_json["budget_bytes"] == 16 * 2**30
+    assert plan_json["pick"]["policy"] == "nothing_saveable"
+
+
 def step(policy: str, batch: int, seconds: float, peak: int) -> Measurement:
     return Measurement(policy, batch, peak_bytes=peak, live_before_bytes=0, step_seconds=seconds)
 
@@ -266,6 +305,12 @@ def test_the_pick_is_the_highest_throughput_that_fits_ties_going_to_less_recompu
             "framework.planner",
             ["--memory_budget=1GiB", "--gin.Runtime.strategy='tpu_v9'"],
             "cannot build the run: unknown strategy",
+        ),
+        ("framework.planner", ["--target=v9"], "--target: Unknown TPU chip 'v9'"),
+        (
+            "framework.planner",
+            ["--target=v5e", "--measure=run"],
+            "--target=v5e compiles every setting",
         ),
         ("framework.train", ["--gin.Trainer.remat_policy='auto'"], "needs --memory_budget"),
     ],

@@ -6,6 +6,7 @@ import collections
 import json
 import sys
 import time
+import types
 
 import pytest
 
@@ -151,3 +152,14 @@ def test_the_automatic_pool_adds_workers_one_at_a_time_while_memory_allows(stub,
     monkeypatch.setattr(workers, "host_available_bytes", lambda: 2**20)  # less than a worker
     schedule = CompileSchedule(POLICIES, [8], usable_bytes=1000)
     assert len(compiled_by(stub(schedule, processes=0))) == 1
+
+
+def test_a_tpu_target_adds_a_worker_only_once_one_has_compiled(monkeypatch):
+    """The TPU compiler takes many times what building the model did, so the first build's
+    peak says nothing about a second worker's room: the pool waits for a compilation's."""
+    monkeypatch.setattr(workers, "host_available_bytes", lambda: 20 * 2**30)
+    ready = types.SimpleNamespace(ready=True)
+    for target, compiled, grows in [(None, 0, True), ("v5e", 0, False), ("v5e", 2**30, True)]:
+        pool = workers._Pool({"target": target}, 2, automatic=True, workers=[ready])
+        pool.built_peak_bytes, pool.compiled_peak_bytes = 2**30, compiled
+        assert pool.may_grow() is grows, (target, compiled)

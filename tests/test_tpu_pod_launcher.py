@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from framework.memory import tpu
 from launch import tpu_pod
 from tests import fake_gcloud
 from tests.subprocesses import REPO_DIR, TESTS_DIR
@@ -143,11 +144,19 @@ def test_the_peak_tflops_follow_the_accelerator_type_unless_the_user_binds_them(
         return tpu_pod.training_command(args, accelerator_type)[0]
 
     assert flags("v3-8")[-1] == "--gin.Runtime.peak_tflops=61.5"  # a TensorCore: half a chip
-    assert flags("v6e-16")[-1] == "--gin.Runtime.peak_tflops=918.0"
+    assert flags("v6e-16")[-2:] == [
+        "--gin.Runtime.peak_tflops=918.0",
+        '--gin.Runtime.accelerator_type="v6e-16"',
+    ]
     mine = "--gin.Runtime.peak_tflops=100"
     assert [flag for flag in flags("v4-8", mine) if "peak_tflops" in flag] == [mine]
     for family in (*tpu_pod.CORE_NAMED, *tpu_pod.CHIP_NAMED):
         assert tpu_pod.TPU_PEAK_TFLOPS[family] > 0
+    # The chips the TPU compiler plans for, and their peaks, are the memory module's.
+    chips = tpu.TPU_CHIPS.values()
+    assert set(tpu_pod.PLANNABLE) == {c.name for c in chips} | {c.accelerator_prefix for c in chips}
+    for family in tpu_pod.PLANNABLE:
+        assert tpu_pod.TPU_PEAK_TFLOPS[family] * 1e12 == tpu.tpu_chip(family).peak_flops
 
 
 def test_newest_runtime_of_a_zone_for_the_supported_tensorflow():
@@ -311,6 +320,7 @@ def test_a_pod_slice_runs_one_client_on_worker_0(cloud):
         "--gin_file=runtime/tpu_pod.gin",
         '--gin.Runtime.tpu="pod1"',
         "--gin.Runtime.peak_tflops=275.0",  # a v4 chip (one TensorFlow device)
+        '--gin.Runtime.accelerator_type="v4-32"',
     ]
     assert call["env"]["TPU_NAME"] == "pod1" and call["env"]["TPU_LOAD_LIBRARY"] == "0"
     assert call["env"]["NEXT_PLUGGABLE_DEVICE_USE_C_API"] is None
@@ -330,6 +340,7 @@ def test_a_single_host_runs_locally_with_the_pjrt_plugin(cloud):
         *FLAGS,
         "--gin_file=runtime/tpu_vm.gin",
         "--gin.Runtime.peak_tflops=197.0",
+        '--gin.Runtime.accelerator_type="v5litepod-8"',
     ]
     assert call["env"]["NEXT_PLUGGABLE_DEVICE_USE_C_API"] == "true"
     assert call["env"]["TF_PLUGGABLE_DEVICE_LIBRARY_PATH"] == "/lib/libtpu.so"

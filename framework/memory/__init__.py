@@ -3,7 +3,8 @@
 - `peak_bytes(fn, *args)`: run once, read the device allocator's peak (CPU needs
   `TF_CPU_ALLOCATOR_USE_BFC=true` before TensorFlow starts; see `enable_cpu_bfc_allocator`).
 - `compiled_bytes(fn, *args)`: compile a `jit_compile=True` function and read XLA's buffer
-  assignment (total, parameters, temps, the buffers live at the peak), without running it.
+  assignment (total, parameters, temps, the buffers live at the peak), without running it;
+  `target="v5e"` compiles it for a TPU chip with libtpu's compiler, on any host (`tpu.py`).
 - `parse_bytes` / `format_bytes`: "16GiB" <-> bytes, for budgets given on the command line.
 """
 
@@ -24,6 +25,7 @@ from framework.memory.xla_buffers import (
     compiled_bytes,
     memory_from_hlo_proto,
     parse_buffer_assignment,
+    xla_compiler,
 )
 
 __all__ = [
@@ -42,4 +44,5 @@ __all__ = [
     "parse_buffer_assignment",
     "parse_bytes",
     "peak_bytes",
+    "xla_compiler",
 ]

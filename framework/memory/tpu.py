@@ -56,6 +56,17 @@ TPU_CHIPS = {
 }
 
 
+def tpu_devices(accelerator_type: str) -> int:
+    """The devices (chips) of a slice, among which a data-parallel batch is split:
+    "v5litepod-16" -> 16, "v4-32" -> 16 (v4 and v5p slices count TensorCores, two per chip, and
+    TensorFlow makes one device per chip); a bare chip name ("v5e") is one."""
+    chip = tpu_chip(accelerator_type)
+    match = re.search(r"-(\d+)$", accelerator_type.strip())
+    if match is None:
+        return 1
+    return max(1, int(match[1]) // (2 if chip.chip_config == "megacore" else 1))
+
+
 def tpu_chip(name: str) -> TpuChip:
     """The chip a name stands for: "v5e", or a Cloud TPU accelerator type such as
     "v5litepod-16", "v4-32" or "v6e-8" (the slice's size does not matter: the plan is per device).
@@ -158,7 +169,9 @@ def compile_for_chip(
 
     Random numbers TensorFlow lets the device choose are drawn as on a TPU (see
     `lower_random_for_tpu`). The totals are the compiler's own memory statistics (what a TPU's
-    runtime allocates in HBM); the buffers at the peak come from its buffer assignment, HBM only.
+    runtime allocates in HBM), and the peak is all of them plus the program's code, since the
+    temporaries are one block held for the whole execution; the buffers listed at the peak come
+    from its buffer assignment, HBM only.
     `compiler_flags` are libtpu flags for this compilation, e.g.
     {"xla_tpu_max_hbm_size_mib": "8192"}.
 
@@ -174,9 +187,13 @@ def compile_for_chip(
     label = f"TPU {chip.name} (libtpu {jax_internals.versions()['libtpu']})"
     plan = memory_from_hlo_proto(hlo_pb2.HloProto.FromString(compiled.hlo_proto), label)
     outputs = compiled.output_bytes - compiled.alias_bytes
+    total = compiled.argument_bytes + outputs + compiled.temp_bytes
     return dataclasses.replace(
         plan,
-        total_bytes=compiled.argument_bytes + outputs + compiled.temp_bytes,
+        total_bytes=total,
+        # A TPU program's temporaries are one block, allocated for the whole execution, and
+        # its code sits in HBM beside them.
+        peak_bytes=total + compiled.generated_code_bytes,
         parameter_bytes=compiled.argument_bytes,
         output_bytes=outputs,
         temp_bytes=compiled.temp_bytes,

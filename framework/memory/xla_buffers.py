@@ -18,6 +18,8 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import tensorflow as tf
+
 from framework.memory.allocator import default_device
 from framework.memory.units import format_bytes
 from framework.tf_internals import hlo_pb2, is_jit_compiled, xla_data_pb2
@@ -275,7 +277,13 @@ def compiled_bytes(
 
         return tpu.compile_for_chip(ir(stage="hlo_serialized"), tpu.tpu_chip(target))
     proto = hlo_pb2.HloProto.FromString(ir(stage="optimized_hlo_proto_serialized"))
-    return memory_from_hlo_proto(proto, compiler=f"XLA:{default_device().split(':')[-2]}")
+    return memory_from_hlo_proto(proto, compiler=xla_compiler())
+
+
+def xla_compiler(device: str | None = None) -> str:
+    """How a plan by XLA's compiler for `device` (default: `default_device()`) is labelled,
+    e.g. "XLA:CPU"."""
+    return f"XLA:{tf.DeviceSpec.from_string(device or default_device()).device_type}"
 
 
 _ALLOCATION_RE = re.compile(r"^allocation \d+: size (?P<size>\d+), (?P<rest>.*)$")

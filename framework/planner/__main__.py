@@ -1,6 +1,7 @@
 """Answers "will this config fit, and what is the fastest setting that does?" before a run:
 `python -m framework.planner --gin_file=... --memory_budget=16GiB [--policies=...]
-[--batch_sizes=...]`.
+[--batch_sizes=...]`, or for a TPU chip on any host: `--target=v5e` (the budget defaults to the
+chip's HBM).
 
 It takes the trainer's gin flags, measures the real train step of that config for each remat policy
 and batch size (each in a fresh process, see `framework.planner`), prints a table and the pick,
@@ -18,7 +19,18 @@ from framework import cli
 from framework.errors import UsageError
 
 cli.define_config_flags()
-cli.define_budget_flags("Required: the plan picks the fastest setting that fits it.")
+cli.define_budget_flags(
+    "The plan picks the fastest setting that fits it. Required, unless --target names a chip "
+    "(then its HBM)."
+)
+flags.DEFINE_string(
+    "target",
+    None,
+    "Plan for this TPU with libtpu's TPU compiler, on any host (the tpu extra): a chip (v4, "
+    "v5e, v5p, v6e: the batch sizes are per chip) or an accelerator type such as v5litepod-16 "
+    "(the global batch split over its chips). Every setting is compiled, not run; times are "
+    "the compiler's FLOPs at the chip's peak.",
+)
 flags.DEFINE_list(
     "batch_sizes",
     None,
@@ -54,13 +66,36 @@ def _batch_sizes() -> list[int | None]:
     return sizes
 
 
+def _target_chip():
+    """The chip --target names (None without it), checked before any worker starts: an
+    unknown name or a missing `tpu` extra is one error line, not one per combination."""
+    if FLAGS.target is None:
+        return None
+    from framework.memory import tpu
+
+    try:
+        chip = tpu.tpu_chip(FLAGS.target)
+    except ValueError as error:
+        raise UsageError(f"--target: {error}") from None
+    from framework import jax_internals  # noqa: F401  (raises MissingDependency, one line)
+
+    return chip
+
+
 def main(argv: Sequence[str]) -> int:
     """Plans for the parsed flags; returns the exit status (0 a pick, 1 nothing fits)."""
     files, bindings = cli.gin_inputs(argv)
     model_dir = cli.model_dir_flag()
     budget = cli.memory_budget_flag()
-    if budget is None:
-        raise UsageError("--memory_budget is required, e.g. --memory_budget=16GiB")
+    target = _target_chip()
+    if budget is None and target is None:
+        raise UsageError(
+            "--memory_budget is required, e.g. --memory_budget=16GiB (or --target=v5e: its HBM)"
+        )
+    if target is not None:
+        budget = budget or target.hbm_bytes
+        if FLAGS.measure == "run":
+            raise UsageError(f"--target={FLAGS.target} compiles every setting: drop --measure=run")
     policies = cli.policies_flag()
     batch_sizes = _batch_sizes()
 
@@ -81,6 +116,7 @@ def main(argv: Sequence[str]) -> int:
             measure=FLAGS.measure,
             search_budget=FLAGS.search_budget,
             compile_processes=FLAGS.compile_processes,
+            target=target and FLAGS.target,
         )
     except planner.ConfigError as error:
         raise UsageError(str(error)) from None

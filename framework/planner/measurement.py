@@ -64,6 +64,7 @@ class Measurement:
       peak_flops: the device's peak FLOP/s the step time is estimated from (compile measure).
       xla_flags: the compiler flag variables the step was compiled under (`xla.current_flags`:
         the run's `Runtime.xla_flags`, `xla_memory_limit`, ...), empty ones left out.
+      compiler: who planned the compiled figures, e.g. "XLA:CPU" or "TPU v5e (libtpu 0.0.42.1)".
     """
 
     policy: str
@@ -81,6 +82,7 @@ class Measurement:
     step_flops: float | None = None
     peak_flops: float | None = None
     xla_flags: dict[str, str] | None = None
+    compiler: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -219,6 +221,7 @@ def _measure_steps(trainer, policy: str, steps: int) -> Measurement:
         compiled_temp_bytes=compiled.temp_bytes,
         compiled_peak_bytes=compiled.peak_bytes,
         step_seconds=statistics.median(times),
+        compiler=compiled.compiler,
     )
 
 
@@ -233,21 +236,50 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
     line of `jobs` (`{"policy": ..., "batch_size": ...}`) XLA's plan of that combination as a
     compile-only Measurement's JSON, setting each policy on the model in turn; until `jobs`
     ends. When the trainer cannot be built, every job gets that config error. A CPU's peak
-    FLOP/s is measured before `READY`, so before the parent starts another worker."""
+    FLOP/s is measured before `READY`, so before the parent starts another worker.
+
+    With `spec["target"]` (a TPU chip, see `memory.tpu.tpu_chip`) each step is compiled by
+    libtpu's compiler for that chip instead, its time estimated from the compiler's FLOP count
+    at the chip's peak."""
     import tensorflow as tf
 
-    from framework import cli, flops, memory, remat, tf_internals, xla
+    from framework import cli, distribute, flops, memory, remat, tf_internals, xla
+    from framework.memory import tpu
     from framework.trainer import Trainer
 
+    chip = tpu.tpu_chip(spec["target"]) if spec.get("target") else None
+    bindings = list(spec["bindings"])
+    if chip is not None:
+        # The step of one device, built on this host's CPU: the worker never claims a TPU (on a
+        # TPU VM the run itself holds it), and the slice's devices split the global batch.
+        bindings.append("Runtime.strategy = 'one_device'")
+        devices = tpu.tpu_devices(spec["target"])
     try:
-        cli.parse_gin(spec["files"], spec["bindings"], spec["search_paths"])
+        cli.parse_gin(spec["files"], bindings, spec["search_paths"])
         trainer = Trainer(None, remat_policy=None, count_flops=False)
     except Exception as error:  # noqa: BLE001 (any failure to build is the config's)
         trainer, build_error = None, _reason(error)
     else:
         state = _state_bytes(trainer.optimizer)
-        peak, _ = trainer.runtime.peak_flops_per_device(trainer.strategy)
+        if chip is None:
+            peak, _ = trainer.runtime.peak_flops_per_device(trainer.strategy)
+        else:
+            peak = chip.peak_flops
     yield READY
+
+    def plan_step(fn, batch) -> tuple[memory.CompiledMemory, float]:
+        """One compilation for both figures: the plan and the FLOPs its time is estimated from."""
+        ir = fn.experimental_get_compiler_ir(batch)
+        if chip is not None:
+            compiled = tpu.compile_for_chip(ir(stage="hlo_serialized"), chip)
+            return compiled, compiled.flops
+        # FLOPs are counted in the optimised module: the unoptimised one still holds every
+        # policy's whole recomputation, whose products XLA removes where kept values replace
+        # them.
+        proto = tf_internals.hlo_pb2.HloProto.FromString(ir(stage="optimized_hlo_proto_serialized"))
+        device = distribute.first_device(trainer.strategy)
+        compiled = memory.memory_from_hlo_proto(proto, compiler=memory.xla_compiler(device))
+        return compiled, float(flops.hlo_matmul_flops(proto.hlo_module)[0])
 
     def compile_one(policy: str, batch_size: int | None) -> Measurement:
         if trainer is None:
@@ -257,16 +289,14 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
             resolved = remat.get_policy(policy)
             enable = resolved is not remat.policies.everything_saveable
             remat.set_grad_checkpointing(trainer.model, policy=resolved, enable=enable)
-            fn, batch = trainer.compiled_step(batch_size)
-            # One compilation for both figures. FLOPs are counted in the optimised module: the
-            # unoptimised one still holds every policy's whole recomputation, whose products XLA
-            # removes where kept values replace them.
-            ir = fn.experimental_get_compiler_ir(batch)
-            proto = tf_internals.hlo_pb2.HloProto.FromString(
-                ir(stage="optimized_hlo_proto_serialized")
-            )
-            compiled = memory.memory_from_hlo_proto(proto)
-            step_flops, _ = flops.hlo_matmul_flops(proto.hlo_module)
+            if chip is not None and batch_size % devices:
+                raise ValueError(
+                    f"batch size {batch_size} does not split over the {devices} devices of "
+                    f"{spec['target']}"
+                )
+            # compiled_step splits a global batch over the strategy's replicas (one, for a chip).
+            step_batch = batch_size if chip is None else batch_size // devices
+            compiled, step_flops = plan_step(*trainer.compiled_step(step_batch))
         except tf.errors.ResourceExhaustedError as error:
             message = f"out of host memory while compiling: {_reason(error)}"
             return Measurement(policy, batch_size, error=message, stage=RUN_STAGE, measure=COMPILE)
@@ -282,9 +312,10 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
             compiled_peak_bytes=compiled.peak_bytes,
             measure=COMPILE,
             state_bytes=state,
-            step_flops=float(step_flops),
+            step_flops=step_flops,
             peak_flops=peak,
             xla_flags=xla.current_flags(),
+            compiler=compiled.compiler,
         )
 
     for line in iter(jobs.readline, ""):

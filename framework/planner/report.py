@@ -67,7 +67,8 @@ def table(plan: Plan) -> str:
     on top of what was live; "XLA step" is XLA's plan of the forward and backward pass at its
     peak plus the optimizer's state, "XLA temp" its scratch. Times and throughputs marked
     `ESTIMATED` come from the step's dot and convolution FLOPs at the device's peak FLOP/s.
-    The last line names the XLA flags the steps were compiled under.
+    The last line names the compiler that planned the XLA figures ("XLA:CPU", "TPU v5e (libtpu
+    ...)") and the XLA flags the steps were compiled under.
     """
     rows = [_COLUMNS, *(_row(plan, m) for m in plan.measurements)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS) - 1)] + [4]
@@ -76,7 +77,9 @@ def table(plan: Plan) -> str:
     ]
     lines.insert(1, "  ".join("-" * width for width in widths))
     flags = " ".join(f"{var}={value!r}" for var, value in plan.xla_flags.items())
-    lines.append(f"compiled under {flags or 'no XLA flags (its defaults)'}")
+    compilers = sorted({m.compiler for m in plan.measurements if m.compiler})
+    planned = f"planned by {' and '.join(compilers)}, " if compilers else ""
+    lines.append(f"{planned}compiled under {flags or 'no XLA flags (its defaults)'}")
     return "\n".join(lines)
 
 

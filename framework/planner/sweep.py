@@ -73,6 +73,7 @@ def compile_combinations(
     may_skip: Callable[[Measurement], bool] = lambda baseline: False,
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
     processes: int = 0,
+    target: str | None = None,
 ) -> list[Measurement]:
     """XLA's plan of every combination in the order listed, then (with `search_budget`) the
     largest memory-budget fraction that fits `usable_bytes` at the last batch size; what
@@ -80,12 +81,15 @@ def compile_combinations(
 
     `processes` compile workers at most, each holding the weights and the optimizer state in
     host memory; 0 chooses by the cores and the memory (`workers.compile_in_workers`).
+    `target` names a TPU chip to compile for with libtpu's compiler (`memory.tpu.tpu_chip`);
+    None compiles for this host's device.
     """
     spec = {
         "files": list(config.files),
         "bindings": list(config.bindings),
         "search_paths": list(config.search_paths),
         "measure": COMPILE,
+        "target": target,
     }
     schedule = CompileSchedule(policies, batch_sizes, usable_bytes, search_budget, may_skip)
     compile_in_workers(spec, schedule, processes, timeout)
@@ -109,9 +113,12 @@ def make_plan(
     measure: str = "auto",
     search_budget: bool = True,
     compile_processes: int = 0,
+    target: str | None = None,
 ) -> Plan:
     """Plans every combination and picks one (see `choose`). `None` as a batch size keeps the
-    config's own.
+    config's own. A `target` TPU chip plans every combination with libtpu's compiler for that
+    chip (`measure` must then be "compile" or "auto", which becomes "compile": nothing can run
+    on a chip this host does not have).
 
     First XLA's plan of every combination is read (`compile_combinations`, in at most
     `compile_processes` workers, 0 for as many as the host's cores and memory allow), with the
@@ -129,6 +136,12 @@ def make_plan(
 
     if measure not in MEASURES:
         raise ValueError(f"measure must be one of {', '.join(MEASURES)}, got {measure!r}")
+    if target is not None:
+        if measure == RUN:
+            raise ValueError(
+                f"a plan for TPU {target} is compiled, not run: use measure 'compile' or 'auto'"
+            )
+        measure = COMPILE
     usable = int(budget_bytes * (1 - safety_margin))
     available = host_available_bytes()
 
@@ -144,7 +157,10 @@ def make_plan(
     }[measure]
     compiled = []
     if measure != RUN or search_budget:
-        logging.info("plan: reading XLA's plan of every combination (nothing runs)")
+        logging.info(
+            "plan: reading %s plan of every combination (nothing runs)",
+            f"the TPU {target} compiler's" if target else "XLA's",
+        )
         compiled = compile_combinations(
             config,
             policies,
@@ -154,6 +170,7 @@ def make_plan(
             may_skip,
             timeout,
             compile_processes,
+            target,
         )
     if compiled and compiled[0].stage == CONFIG_STAGE:
         raise ConfigError(f"cannot build the run: {compiled[0].error}")
