@@ -168,6 +168,28 @@ def test_auto_policy_trains_with_the_pick_under_the_budget(tight_plan, tmp_path)
     assert "(the plan: nothing_saveable @ 64, peak" in result.stderr
 
 
+def test_auto_policy_plans_for_the_accelerator_type_the_run_names(tmp_path):
+    """Runtime.accelerator_type: the TPU compiler plans for that chip and its HBM is the budget;
+    the run then trains with the pick (here on this CPU)."""
+    result = run_module(
+        "framework.train",
+        *TINY,
+        "--policies=nothing_saveable",
+        "--search_budget=false",
+        "--gin.Trainer.remat_policy='auto'",
+        "--gin.Runtime.accelerator_type='v5litepod-4'",
+        "--gin.Trainer.train_steps=2",
+        "--mode=train",
+        f"--model_dir={tmp_path}",
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "planned by TPU v5e (libtpu " in result.stderr
+    plan_json = json.loads((tmp_path / "plan.json").read_text())
+    assert plan_json["budget_bytes"] == 16 * 2**30
+    assert plan_json["combinations"][0]["compiler"].startswith("TPU v5e")
+    assert "Trainer.remat_policy = 'nothing_saveable'" in (tmp_path / "config.gin").read_text()
+
+
 def test_compile_only_plans_from_xlas_plan_and_finds_the_budget_fraction(tight_plan, tmp_path):
     """Nothing runs: every policy's XLA plan, the step time estimated from its FLOPs, and the
     largest memory-budget fraction whose plan fits, for a budget between the two policies'
