@@ -88,6 +88,26 @@ def test_remat_policies_compiled_for_a_tpu_quick(tmp_path):
     assert "step s" not in report  # nothing ran
 
 
+def test_tpu_xla_remat_quick():
+    proc = run_benchmark(
+        "tpu_xla_remat.py",
+        "--quick",
+        "--model=stack",
+        "--fractions=0.5",
+        "--policies=nothing_saveable",
+    )
+    rows = {}
+    for line in proc.stdout.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 5:
+            rows[cells[0]] = cells
+    assert rows["no remat"][3] == "1.000", proc.stdout
+    # Half the no-remat peak is below what this tiny step needs however XLA recomputes.
+    (limited,) = [name for name in rows if name.startswith("no remat, XLA limit 0.5")]
+    assert rows[limited][1].startswith("does not fit: RESOURCE_EXHAUSTED"), proc.stdout
+    assert float(rows["`nothing_saveable`"][3]) > 1, proc.stdout  # the recomputed products
+
+
 def test_profile_step_quick():
     proc = run_benchmark(
         "profile_step.py",

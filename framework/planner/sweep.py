@@ -150,11 +150,14 @@ def make_plan(
 
     # Leaving combinations out is exact only for the compile measure's estimate. Under "auto", a
     # no-remat plan too large to run on this host means the plan will be compile-measured.
+    # Nothing is left out for a TPU target: its compiler rematerializes by itself what does not
+    # fit the chip's HBM, so a "none" that fits may already recompute, and a policy after it may
+    # need fewer FLOPs.
     may_skip = {
         COMPILE: lambda baseline: True,
         RUN: lambda baseline: False,
         "auto": lambda baseline: not fits_host(baseline.compiled_step_bytes),
-    }[measure]
+    }[RUN if target is not None else measure]
     compiled = []
     if measure != RUN or search_budget:
         logging.info(
