@@ -26,7 +26,7 @@ import sys
 import time
 
 import tensorflow as tf
-from remat_policies import MODELS, ModelSpec, build_model, model_spec, train_step
+from remat_policies import MODELS, ModelSpec, build_model, model_spec, train_step, write_report
 
 from framework.memory import tpu
 
@@ -108,11 +108,7 @@ def main() -> None:
             continue
         cells = [_mib(r["peak"]), _mib(r["temp"]), f"{r['flops'] / base['flops']:.3f}"]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {r['seconds']:.0f} |")
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        with open(args.out, "w") as out:
-            out.write(report)
+    write_report("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":
