@@ -14,8 +14,9 @@ setup(
     description="TensorFlow 2 training with first-class memory: remat policies, planning, XLA.",
     python_requires=">=3.10",
     packages=find_packages(include=["framework", "framework.*"]),
-    # The gin configs ship inside the package: an installed framework finds quickstart.gin.
-    package_data={"framework": ["configs/*.gin", "configs/*/*.gin"]},
+    # The gin configs ship inside the package: an installed framework finds quickstart.gin;
+    # so does the sample text corpus of the language-model configs.
+    package_data={"framework": ["configs/*.gin", "configs/*/*.gin", "data/corpus/*.txt"]},
     install_requires=[
         # TensorFlow 2.20 (the newest TPU build, `tensorflow-tpu`) and 2.21, the range that
         # framework/tf_internals.py checks; each tensorflow-text release pins its own TensorFlow

@@ -3,8 +3,8 @@ with and without activation checkpointing, each in a fresh process.
 
 The project started from a report that ViT-B/16 at batch 64 ran out of memory in TensorFlow where
 PyTorch's checkpointing fit (11 GB without, 4 GB with, on a 16 GB P100). This measures PyTorch's
-side on this machine, to put beside the framework's plan of the same step (the README's "The
-headline case"): timm's `vit_base_patch16_224` with dropout 0.1 after attention and MLP projections
+side on this machine, to put beside the framework's plan of the same step (the README's table):
+timm's `vit_base_patch16_224` with dropout 0.1 after attention and MLP projections
 (as `models.vit_b16.dropout = 0.1`), 1000 classes, float32, cross-entropy, AdamW; checkpointing is
 timm's `set_grad_checkpointing()` (each block under `torch.utils.checkpoint`, which replays the
 RNG, so dropout stays exact).

@@ -256,6 +256,13 @@ def run(main: Callable[[list[str]], int | None]) -> NoReturn:
             exit_with_error("interrupted", INTERRUPTED_EXIT_CODE)
         sys.exit(status or 0)
 
+    # absl's --help lists the key flags of the module sys.argv[0] names, under the docstring of
+    # __main__: the binary's own under `python -m`, but the wrapper script of a console command
+    # (`framework-train`) or of an alias. Give that script the binary's flags and docstring.
+    if main.__module__ != "__main__":
+        for flag in FLAGS.get_key_flags_for_module(main.__module__):
+            FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+        sys.modules["__main__"].__doc__ = sys.modules[main.__module__].__doc__
     try:
         app.run(wrapped, flags_parser=_parse_flags)
     except KeyboardInterrupt:  # during flag parsing or absl's set-up

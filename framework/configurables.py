@@ -42,6 +42,7 @@ for _data in (
     text.text_mlm,
 ):
     gin.external_configurable(_data, module="data")
+gin.constant("data.SAMPLE_CORPUS", text.SAMPLE_CORPUS)
 
 cross_entropy = gin.external_configurable(losses.cross_entropy, module="losses")
 adamw = gin.external_configurable(optim.adamw, module="optim")

@@ -32,7 +32,6 @@ BINDINGS = [
     "Trainer.count_flops = False",
     "SEQUENCE_LENGTH = 32",
     "VOCAB_SIZE = 256",
-    "data.TextCorpus.files = ['README.md']",
     "data.TextCorpus.vocab_documents = 20",
     f"data.TextCorpus.vocab_path = '{MODEL_DIR}/vocab.txt'",
 ]

@@ -41,8 +41,11 @@ def test_microbatched_gradients_equal_the_whole_batch(policy, monkeypatch):
     parts_sums, parts = step.compiled_gradients(model, microbatches=4)(batch)
     for a, b in zip(whole_sums, parts_sums, strict=True):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5)
+    # Summed in another order (4 parts): float32 rounding, relative to each gradient's scale
+    # (an element near zero can differ by more than 1e-4 of itself).
     for a, b in zip(whole, parts, strict=True):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6)
+        scale = float(np.abs(a.numpy()).max())
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-5 * scale)
     # One trace of the loop body (not 4 unrolled copies); with remat each block runs again in
     # the backward pass.
     assert len(calls) == tiny.MODEL["depth"] * (2 if policy else 1)

@@ -1,7 +1,9 @@
 """`python -m framework.train`: flags, gin, the run record, and one-line errors for bad input."""
 
+import concurrent.futures
 import errno
 import hashlib
+import os
 import re
 import signal
 import subprocess
@@ -273,21 +275,53 @@ def test_binding_names_are_checked_against_the_signature():
         cli.binding_name(settings.TrainerSettings, "remat")
 
 
+def console_command(name: str) -> tuple[str]:
+    """The installed console command's script (pip puts it beside the interpreter)."""
+    script = os.path.join(os.path.dirname(sys.executable), name)
+    assert os.path.exists(script), f"{name} is not installed: pip install -e ."
+    return (script,)
+
+
+def listed_flags(help_text: str) -> set[str]:
+    return set(re.findall(r"^  (?:-\w,)?(--[a-z_]+):", help_text, re.M))
+
+
+HELP_CASES = {
+    "framework.train": ["--gin_file", "--gin_bindings", "--model_dir", "--memory_budget"],
+    "framework.planner": ["--gin_file", "--memory_budget", "--batch_sizes", "--target"],
+    "framework.sample": ["--model_dir", "--prompt", "--max_tokens", "--verbosity"],
+    "framework.export": ["--model_dir", "--export_dir", "--checkpoint"],
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "module, flags",
-    [
-        ("framework.train", ["--gin_file", "--gin_bindings", "--model_dir", "--memory_budget"]),
-        ("framework.planner", ["--gin_file", "--memory_budget", "--batch_sizes", "--policies"]),
-        ("framework.sample", ["--model_dir", "--prompt", "--max_tokens", "--verbosity"]),
-    ],
-)
-def test_help_lists_the_flags_of_each_binary_and_only_those(module, flags):
-    result = run_binary("--help", launcher=("-m", module))
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert all(f"{flag}:" in result.stdout for flag in flags), result.stdout
-    assert ("--policies:" in result.stdout) == (module != "framework.sample")
-    assert "oneDNN" not in result.stdout + result.stderr  # no TensorFlow was loaded
+def test_help_lists_the_flags_of_each_binary_and_only_those():
+    """`python -m`, the installed console command and the planner's old name `framework.plan`
+    print the same flags: the binary's own and those it shares, nothing else."""
+    launchers = {
+        (module, how): launcher
+        for module in HELP_CASES
+        for how, launcher in [
+            ("-m", ("-m", module)),
+            ("console", console_command(module.replace(".planner", ".plan").replace(".", "-"))),
+        ]
+    }
+    launchers["framework.planner", "alias"] = ("-m", "framework.plan")
+    # All at once: each is a Python start-up and absl, no TensorFlow.
+    with concurrent.futures.ThreadPoolExecutor(len(launchers)) as pool:
+        results = dict(
+            zip(launchers, pool.map(lambda a: run_binary("--help", launcher=a), launchers.values()))
+        )
+    for (module, how), result in results.items():
+        assert result.returncode == 0, (module, how, result.stderr[-2000:])
+        listed = listed_flags(result.stdout)
+        assert set(HELP_CASES[module]) <= listed, (module, how, result.stdout)
+        assert ("--policies" in listed) == (module in ("framework.train", "framework.planner"))
+        assert listed == listed_flags(results[module, "-m"].stdout), (module, how)
+        usage = results[module, "-m"].stdout.split("flags:")[0].split("\n", 2)[-1]
+        assert usage.strip() and usage in result.stdout, (module, how)  # the binary's docstring
+        assert "oneDNN" not in result.stdout + result.stderr  # no TensorFlow was loaded
+    assert "framework.plan is the planner" in results["framework.planner", "alias"].stderr
 
 
 @pytest.mark.slow

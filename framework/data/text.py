@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -51,6 +52,14 @@ from framework.data import json_lines, packing, sharding, streams, tfrecord
 from framework.data import vocab as vocab_lib
 
 DOCUMENT_UNITS = ("line", "paragraph", "file")
+
+# A corpus shipped with the package, so that the example language-model configs run anywhere
+# without a download: a frozen copy of three of this project's documentation pages (about 75 KB),
+# its own file, so that editing the documentation does not change their data.
+# Gin names it %data.SAMPLE_CORPUS.
+SAMPLE_CORPUS = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "corpus", "framework_docs.txt"
+)
 _HASH_BUCKETS = 10_000
 _PARAGRAPH_BREAK = "\x1e"  # ASCII record separator: a paragraph break, before splitting on it
 
