@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from remat_policies import write_report  # noqa: E402
 
 from framework import jax_internals  # noqa: E402
 from framework.memory import tpu  # noqa: E402
@@ -240,10 +241,7 @@ def main() -> None:
         format_table(cfg, args.batch, columns),
         "",
     ])  # fmt: skip
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":
