@@ -13,8 +13,9 @@ its forward and backward pass - nothing runs - with jax's CPU backend (XLA:CPU) 
 
 Needs the `tpu` extra (jax, jaxlib, libtpu; in the test extra too). Every figure is a compiler's
 plan: "step" is the program's arguments (weights, batch) + outputs (gradients) + temporaries (+
-its code on a TPU) + AdamW's two slots per weight, the planner's "XLA step"; "temp" is the
-temporaries alone, the planner's "XLA temp".
+its code on a TPU) + AdamW's two slots per weight, the planner's "XLA step" on a TPU (on XLA:CPU
+jax reports totals only, where the planner counts the buffers live at the peak: compare temps
+there); "temp" is the temporaries alone, the planner's "XLA temp".
 """
 
 from __future__ import annotations
