@@ -10,6 +10,10 @@
   writes into model_dir: the others write to a temporary directory of their own.
 - After SIGTERM (a preempted TPU VM or GPU node), TensorFlow's handler makes the workers agree
   on a step, all save there, and the run stops with `PreemptedError`.
+- A checkpoint holds every random state of the model (`random_state`) and the number of replicas
+  that trained it, so that a resumed run is the uninterrupted one, bit for bit on the same
+  devices; what makes it differ (an older checkpoint, another replica count, another model) is
+  logged at restore.
 """
 
 from __future__ import annotations
@@ -27,8 +31,20 @@ from framework import checkpoints, distribute, run_lock
 from framework.errors import PreemptedError, TrainerError
 
 
+def random_state(model: keras.Model) -> list[keras.Variable]:
+    """The model's random state: the state of each Keras `SeedGenerator` in its layers (dropout,
+    noise, augmentation inside the model), which `model.variables` holds beside the weights.
+
+    Each draw advances these states, so a resumed run that started them from their initial
+    seeds would draw other dropout masks than the uninterrupted run from the restored step on.
+    """
+    weights = {id(w) for w in model.weights}
+    return [v for v in model.variables if id(v) not in weights]
+
+
 class RunState:
-    """The checkpoints of `model`, `optimizer` and `learning_rate_scale` in `model_dir`.
+    """The checkpoints of `model`, `optimizer`, `learning_rate_scale` and the model's random state
+    in `model_dir`.
 
     `is_finite()` says whether the state in memory is finite; a restored checkpoint must be.
     """
@@ -49,6 +65,8 @@ class RunState:
         self.learning_rate_scale = learning_rate_scale
         self.is_finite = is_finite
         self.is_chief = is_chief = distribute.is_chief(strategy)
+        self.random_state = random_state(model)
+        self._replicas = strategy.num_replicas_in_sync
         resolver = strategy.cluster_resolver
         self._workers = sum(map(len, resolver.cluster_spec().as_dict().values())) if resolver else 1
         self.directory = os.path.join(model_dir, "checkpoints")
@@ -62,7 +80,11 @@ class RunState:
         self.restored = self.restore(at_start=True)
         self.manager = tf.train.CheckpointManager(
             tf.train.Checkpoint(
-                model=model, optimizer=optimizer, learning_rate_scale=learning_rate_scale
+                model=model,
+                optimizer=optimizer,
+                learning_rate_scale=learning_rate_scale,
+                random_state=self.random_state,
+                replicas_in_sync=tf.Variable(self._replicas, trainable=False, dtype=tf.int64),
             ),
             self.directory if is_chief else tempfile.mkdtemp(prefix="ckpt-"),
             max_to_keep=keep,
@@ -119,6 +141,36 @@ class RunState:
         ).expect_partial()
         if not self.is_finite():
             raise ValueError("it holds non-finite values (saved by a diverged run)")
+        self._restore_random_state(prefix)
+
+    def _restore_random_state(self, prefix: str) -> None:
+        """Restores the random state, saying why the run goes on other than the uninterrupted
+        one would have, if it does."""
+        reader = tf.train.load_checkpoint(prefix)
+        names = reader.get_variable_to_shape_map()
+        saved = sum(name.startswith("random_state/") for name in names)
+        tf.train.Checkpoint(random_state=self.random_state).restore(prefix).expect_partial()
+        name = os.path.basename(prefix)
+        if saved != len(self.random_state):
+            origin = f"{saved} random states" if saved else "no random state (an older save)"
+            logging.warning(
+                "%s holds %s, the model has %d: from here on its dropout and other random "
+                "draws differ from those of the uninterrupted run",
+                name,
+                origin,
+                len(self.random_state),
+            )
+        key = "replicas_in_sync/.ATTRIBUTES/VARIABLE_VALUE"
+        replicas = int(reader.get_tensor(key)) if key in names else None
+        if replicas is not None and replicas != self._replicas:
+            logging.warning(
+                "%s was saved by a run of %d replicas, this one has %d: the batches are split "
+                "another way and each replica draws its own random numbers, so the run goes on "
+                "other than the uninterrupted one would have",
+                name,
+                replicas,
+                self._replicas,
+            )
 
     def save(self) -> str:
         """Saves the current step (unless it is saved already) after checking the lock."""

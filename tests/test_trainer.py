@@ -83,7 +83,7 @@ def test_resumed_run_restores_and_equals_uninterrupted_run(run_copy, tmp_path):
     resumed.train()
     assert resumed.step == 10
     for a, b in zip(straight.model.trainable_variables, resumed.model.trainable_variables):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(a.numpy(), b.numpy())  # bit for bit on CPU
 
 
 @pytest.mark.slow
@@ -331,3 +331,34 @@ def test_weighted_targets_count_only_where_weight_is_one(tmp_path):
     trainer = make_trainer(tmp_path, train_steps=5, dataset_fn=half_weighted)
     metrics = trainer.train()
     assert metrics["targets_per_sec"] == pytest.approx(metrics["examples_per_sec"] / 2)
+
+
+@pytest.mark.slow
+def test_a_resume_that_cannot_be_bit_exact_says_why(tmp_path, caplog):
+    """A checkpoint saved before random states were saved, by a run of another replica count,
+    still restores; the log says why the run goes on other than the uninterrupted one."""
+    with_dropout = dict(model_fn=functools.partial(tiny.model_fn, dropout=0.1), steps_per_loop=2)
+    trainer = make_trainer(tmp_path, train_steps=2, **with_dropout)
+    trainer.train()
+    assert trainer.run_state.random_state  # the dropout layers' seed generators
+    prefix = str(tmp_path / "checkpoints" / "ckpt-2")
+    names = tf.train.load_checkpoint(prefix).get_variable_to_shape_map()
+    assert sum(name.startswith("random_state/") for name in names) == len(
+        trainer.run_state.random_state
+    )
+    caplog.clear()
+    make_trainer(tmp_path, train_steps=2, **with_dropout)
+    assert "holds" not in caplog.text and "replicas" not in caplog.text
+    old = tf.train.Checkpoint(
+        model=trainer.model,
+        optimizer=trainer.optimizer,
+        learning_rate_scale=trainer.learning_rate_scale,
+        replicas_in_sync=tf.Variable(8, dtype=tf.int64),
+    )
+    old.save_counter.assign(1)  # (created on first use; the trainer's checkpoints hold one)
+    old.write(prefix)
+    caplog.clear()
+    resumed = make_trainer(tmp_path, train_steps=2, **with_dropout)
+    assert resumed.step == 2
+    assert "ckpt-2 holds no random state (an older save), the model has" in caplog.text
+    assert "ckpt-2 was saved by a run of 8 replicas, this one has 1" in caplog.text
