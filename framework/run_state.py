@@ -68,7 +68,7 @@ class RunState:
         self.random_state = random_state(model)
         self._replicas = strategy.num_replicas_in_sync
         resolver = strategy.cluster_resolver
-        self._workers = sum(map(len, resolver.cluster_spec().as_dict().values())) if resolver else 1
+        self.workers = sum(map(len, resolver.cluster_spec().as_dict().values())) if resolver else 1
         self.directory = os.path.join(model_dir, "checkpoints")
         self._lock = run_lock.RunLock(model_dir, lease_seconds=lease_seconds)
         if is_chief:
@@ -78,6 +78,9 @@ class RunState:
                 raise TrainerError(str(error)) from None
         # First: it repairs the index the manager reads. None when the run starts afresh.
         self.restored = self.restore(at_start=True)
+        # (A TPU pod's hosts are driven by one client, which restores once.)
+        if self.workers > 1 and isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+            self._check_workers_agree(strategy)
         self.manager = tf.train.CheckpointManager(
             tf.train.Checkpoint(
                 model=model,
@@ -172,6 +175,32 @@ class RunState:
                 self._replicas,
             )
 
+    def _check_workers_agree(self, strategy: tf.distribute.Strategy) -> None:
+        """Stops the run unless every worker restored the same step.
+
+        Each worker picks its checkpoint from its own listing of model_dir. They agree when the
+        storage is consistent; where it is not (a listing that lags, a worker whose model_dir
+        path names another directory), they would train on from different states silently.
+        """
+        steps = strategy.gather(
+            strategy.experimental_distribute_values_from_function(
+                lambda _: tf.constant([self.step], tf.int64)
+            ),
+            axis=0,
+        ).numpy()
+        if len(set(steps.tolist())) == 1:
+            return
+        per_worker = len(steps) // self.workers  # replicas are numbered worker by worker
+        restored = ", ".join(
+            f"worker {i}: {f'ckpt-{step}' if step else 'none (a fresh start)'}"
+            for i, step in enumerate(steps[::per_worker].tolist())
+        )
+        raise TrainerError(
+            f"the workers restored different checkpoints from {self.directory} ({restored}): "
+            "each worker must see the same model_dir; check that they all name one directory "
+            "on shared storage, then run the same command again"
+        )
+
     def save(self) -> str:
         """Saves the current step (unless it is saved already) after checking the lock."""
         self.check_lock()  # (on gs:// a read: only when a save is due)
@@ -187,9 +216,10 @@ class RunState:
         The step counter and the weights change together, only inside a compiled loop, so a
         built trainer is always at a loop boundary. Not saved: step 0 (nothing trained), a
         non-finite state (never saved), and a run of several workers, whose saving is
-        collective (one worker alone would wait for the others forever; they save on SIGTERM).
+        collective (one worker alone would wait for the others forever; `framework.train` turns
+        their Ctrl-C into SIGTERM, on which they all save).
         """
-        if self._workers > 1 or self.step == 0 or not self.is_finite():
+        if self.workers > 1 or self.step == 0 or not self.is_finite():
             return None
         return self.save()
 

@@ -7,8 +7,9 @@ build leaves an earlier run's `config.gin` as it was. Problems the user can fix 
 stderr and exit status 2: bad flags or config, a full disk, a step that does not fit in device
 memory. A preempted run (SIGTERM) saves a checkpoint and exits with status 42; Ctrl-C saves one
 (when there is a finite state to save) and exits with status 130, as a shell's interrupted
-command does. `--print_config` builds the run without a model directory and prints the operative
-gin config (what `config.gin` would hold), without training.
+command does (in a run of several workers, Ctrl-C stops it as SIGTERM does: status 42).
+`--print_config` builds the run without a model directory and prints the operative gin config
+(what `config.gin` would hold), without training.
 
 `Trainer.remat_policy = "auto"` with `--memory_budget` runs the planner (`framework.planner`) first,
 over `--policies` at the config's batch size, and trains with its pick. The binary resolves "auto":
@@ -20,6 +21,7 @@ from __future__ import annotations
 import datetime
 import errno
 import logging
+import os
 import re
 import shlex
 import signal
@@ -203,10 +205,22 @@ def _save_interrupted(run_trainer) -> str:
     saved = run_trainer.run_state.save_interrupted()
     if saved is None:
         return (
-            f"interrupted at step {run_trainer.step}; not saved (nothing trained yet, a "
-            "non-finite state, or several workers, which save only on SIGTERM)"
+            f"interrupted at step {run_trainer.step}; not saved (nothing trained yet, or a "
+            "non-finite state)"
         )
     return f"interrupted at step {run_trainer.step}; saved {saved}: the same command resumes"
+
+
+def _ctrl_c_preempts() -> None:
+    """In a run of several workers, Ctrl-C stops it as SIGTERM does: saving is collective, so
+    one worker alone cannot save after a KeyboardInterrupt, while TensorFlow's SIGTERM handler
+    makes every worker save at a step they agree on (the run then exits with status 42)."""
+
+    def preempt(signum, frame):
+        logging.warning("Ctrl-C: stopping as if preempted; the workers save at a step they agree")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGINT, preempt)
 
 
 def _build(trainer_class: type, model_dir: str | None):
@@ -222,6 +236,8 @@ def _build_and_run(trainer_class: type, model_dir: str, watch=None) -> dict[str,
     run_trainer = _build(trainer_class, model_dir)
     if watch is not None:
         run_trainer.actions.append(watch)
+    if run_trainer.run_state is not None and run_trainer.run_state.workers > 1:
+        _ctrl_c_preempts()
     # Only now, with the config built: a bad one never replaces an earlier run's record.
     if run_trainer.is_chief:  # one record per cluster
         config = gin.operative_config_str()
