@@ -148,6 +148,14 @@ def tf_config(addresses: Sequence[str], index: int) -> str:
     )
 
 
+def _python_path() -> str:
+    """PYTHONPATH with this checkout first: the workers import the framework from it wherever
+    the launcher is started (they run in the caller's directory, where relative paths such as
+    `--model_dir=runs/mw` point), installed or not."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
+
+
 def worker_command(train_args: Sequence[str]) -> list[str]:
     """The command every worker runs; the user's flags come last so they can override ours."""
     return [sys.executable, "-m", "framework.train", STRATEGY_BINDING, *train_args]
@@ -196,7 +204,7 @@ def run_cluster(
     addresses = [f"127.0.0.1:{port}" for port in free_ports(num_workers)]
     processes = []
     for index in range(num_workers):  # all forks before any thread starts (preexec_fn)
-        env = dict(os.environ, TF_CONFIG=tf_config(addresses, index))
+        env = dict(os.environ, TF_CONFIG=tf_config(addresses, index), PYTHONPATH=_python_path())
         process = subprocess.Popen(
             worker_command(train_args),
             env=env,

@@ -1,17 +1,19 @@
 """launch/local_cluster.py: real worker processes with TF_CONFIG on 127.0.0.1.
 
-A SIGKILLed worker stops the launcher and a restart resumes; SIGTERM saves a checkpoint at a step
-both workers agree on, a restart resumes there, and the run equals the same global batches on one
+A SIGKILLed worker stops the launcher and a restart resumes; Ctrl-C saves a checkpoint at a step
+both workers agree on (each worker turns it into SIGTERM, the preemption path), a restart resumes
+there, and the run equals the same global batches on one
 device (one run through three clusters: each cluster start costs two TensorFlow processes). The
 workers' servers cannot be reached from outside the cluster (for root and for an unprivileged
 user), a launcher that cannot ensure that refuses to start, and a SIGKILLed launcher takes its
-workers with it.
+workers with it. Workers that restore different checkpoints stop with one line.
 """
 
 import ipaddress
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,7 +27,7 @@ import tensorflow as tf
 from framework.trainer import Trainer
 from launch import local_cluster
 from tests import tiny
-from tests.subprocesses import REPO_DIR, child_env
+from tests.subprocesses import REPO_DIR, child_env, run_python
 
 pytestmark = pytest.mark.slow  # subprocesses: the full tier only
 
@@ -33,21 +35,25 @@ TINY_FLAGS = [*tiny.GIN_FLAGS, "--gin.Trainer.remat_policy='dots_saveable'"]
 
 
 def start_cluster(model_dir, *flags: str, prefix: Sequence[str] = ()) -> subprocess.Popen:
-    """The launcher with 2 tiny workers; `prefix` is a command that runs it (unshare ...)."""
+    """The launcher with 2 tiny workers; `prefix` is a command that runs it (unshare ...).
+
+    Started as a user starts it from the directory that holds model_dir, with a relative
+    --model_dir, which must mean that directory (not the checkout's).
+    """
     return subprocess.Popen(
         [
             *prefix,
             sys.executable,
-            "launch/local_cluster.py",
+            str(REPO_DIR / "launch" / "local_cluster.py"),
             "--num_workers=2",
             "--grace_seconds=5",
             "--",
             *TINY_FLAGS,
-            f"--model_dir={model_dir}",
+            f"--model_dir={model_dir.name}",
             "--mode=train",
             *flags,
         ],
-        cwd=REPO_DIR,
+        cwd=model_dir.parent,
         env=child_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -167,7 +173,8 @@ def test_a_killed_worker_stops_the_cluster_and_sigterm_saves_where_the_workers_a
     1. as a user without capabilities (when this machine can run one), the launcher isolates its
        workers through a user namespace; a SIGKILLed worker stops it;
     2. started by this user (root in CI), it isolates them too, and the restart resumes from the
-       last checkpoint; SIGTERM saves a checkpoint at a step both workers agree on;
+       last checkpoint; Ctrl-C (SIGINT, passed on to the workers) saves a checkpoint at a step
+       both workers agree on;
     3. the restart resumes there and finishes.
 
     The result equals the same run with the same interruptions on one device (same global
@@ -188,16 +195,18 @@ def test_a_killed_worker_stops_the_cluster_and_sigterm_saves_where_the_workers_a
     assert "worker 1 exited with status -9" in output
     killed = int(tf.train.latest_checkpoint(model_dir / "checkpoints").rsplit("-", 1)[1])
     assert killed >= 10
+    assert not (REPO_DIR / model_dir.name).exists()  # the relative --model_dir: the caller's
 
     cluster = start_cluster(model_dir, "--gin.Trainer.train_steps=100000")
     lines = wait_for(cluster, rf"\[worker 1\].*step {killed + 10}/100000")
     assert f"restored step {killed}" in "".join(lines)
     assert_reachable_only_inside_the_cluster(launcher_lines(lines))
-    cluster.send_signal(signal.SIGTERM)
+    cluster.send_signal(signal.SIGINT)
     output = cluster.communicate(timeout=120)[0]
     assert cluster.returncode == local_cluster.PREEMPTED_EXIT_CODE, output[-3000:]
     everything = "".join(lines) + output
     assert "[worker 1]" in output and "multi_worker_mirrored with 2 replica(s)" in everything
+    assert output.count("Ctrl-C: stopping as if preempted") == 2, output[-3000:]
     saved = sorted(
         int(m) for m in re.findall(r"preempted: saved a checkpoint at step (\d+)", output)
     )
@@ -251,3 +260,44 @@ def test_a_sigkilled_launcher_leaves_no_worker_running(tmp_path):
 def test_bad_launcher_usage(argv):
     with pytest.raises(SystemExit):
         local_cluster.main(argv)
+
+
+# Starts 2 workers as the launcher does (private network namespace, TF_CONFIG), but each with a
+# model_dir of its own: the way a worker that sees other checkpoints than the chief looks.
+DIVERGENT_WORKERS = """
+    import json, os, subprocess
+    from launch import local_cluster
+
+    local_cluster.isolate_network()
+    addresses = [f"127.0.0.1:{{port}}" for port in local_cluster.free_ports(2)]
+    workers = [
+        subprocess.Popen(
+            local_cluster.worker_command([*{flags!r}, f"--model_dir={{model_dir}}"]),
+            env=dict(os.environ, TF_CONFIG=local_cluster.tf_config(addresses, index)),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for index, model_dir in enumerate({model_dirs!r})
+    ]
+    outputs = [worker.communicate(timeout=240)[0] for worker in workers]
+    print(json.dumps({{"codes": [w.returncode for w in workers], "outputs": outputs}}))
+"""
+
+
+def test_workers_that_restore_different_checkpoints_stop_with_one_line(tmp_path):
+    chief_dir, other_dir = tmp_path / "chief", tmp_path / "other"
+    trained = tmp_path / "trained"  # this process holds its lock: the workers get copies
+    for steps, model_dir in ((5, chief_dir), (5, other_dir)):
+        Trainer(str(trained), **tiny.TRAINER_ARGS, train_steps=20).train(max_steps=steps)
+        shutil.copytree(trained, model_dir, ignore=shutil.ignore_patterns("LOCK"))
+    before = {path.name: path.read_bytes() for path in (chief_dir / "checkpoints").iterdir()}
+    flags = [*TINY_FLAGS, "--gin.Trainer.train_steps=20", "--mode=train"]
+    script = DIVERGENT_WORKERS.format(flags=flags, model_dirs=[str(chief_dir), str(other_dir)])
+    result = run_python(script, timeout=300)
+    for code, output in zip(result["codes"], result["outputs"], strict=True):
+        assert code == 2, output[-3000:]
+        errors = [line for line in output.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, output[-3000:]
+        assert "the workers restored different checkpoints" in errors[0]
+        assert "(worker 0: ckpt-5, worker 1: ckpt-10)" in errors[0]
+    after = {path.name: path.read_bytes() for path in (chief_dir / "checkpoints").iterdir()}
+    assert after == before  # nothing trained on, nothing saved

@@ -100,6 +100,25 @@ def test_run_writes_config_command_checkpoints_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
+def test_multi_gpu_launcher_writes_a_relative_model_dir_where_it_is_started(tmp_path):
+    """From another directory, --model_dir=runs/x is that directory's runs/x (on a machine
+    without GPUs the launcher trains mirrored on the CPU, with a warning)."""
+    run = subprocess.run(
+        ["bash", str(REPO_DIR / "launch" / "multi_gpu.sh"), *TINY_RUN, "--model_dir=runs/x"],
+        cwd=tmp_path,
+        env=child_env({"PYTHONPATH": None}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "mirrored" in run.stderr and "step 4/4" in run.stderr
+    assert tf.train.latest_checkpoint(tmp_path / "runs" / "x" / "checkpoints").endswith("ckpt-4")
+    assert not (REPO_DIR / "runs" / "x").exists()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [

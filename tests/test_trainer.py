@@ -362,3 +362,17 @@ def test_a_resume_that_cannot_be_bit_exact_says_why(tmp_path, caplog):
     assert resumed.step == 2
     assert "ckpt-2 holds no random state (an older save), the model has" in caplog.text
     assert "ckpt-2 was saved by a run of 8 replicas, this one has 1" in caplog.text
+
+
+@pytest.mark.slow
+def test_mfu_never_exceeds_one_when_the_peak_was_read_low(tmp_path, caplog):
+    """A peak read on a busy CPU (here: set far too low) is raised to the fastest loop's rate."""
+    low = 1e-9  # TFLOP/s
+    trainer = make_trainer(
+        tmp_path, train_steps=4, steps_per_loop=2, count_flops=True,
+        runtime=Runtime(peak_tflops=low),
+    )  # fmt: skip
+    metrics = trainer.train()
+    assert metrics["mfu"] <= 1.0
+    assert "above the peak of 1e-09 TFLOP/s taken at start" in caplog.text
+    assert trainer.flops[1] > 1e3 * low * 1e12
