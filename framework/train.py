@@ -9,7 +9,9 @@ memory. A preempted run (SIGTERM) saves a checkpoint and exits with status 42; C
 (when there is a finite state to save) and exits with status 130, as a shell's interrupted
 command does (in a run of several workers, Ctrl-C stops it as SIGTERM does: status 42).
 `--print_config` builds the run without a model directory and prints the operative gin config
-(what `config.gin` would hold), without training.
+(what `config.gin` would hold), without training. `--check_determinism=N` trains two copies of
+the run N steps, without a model directory, and says whether and where they differ
+(`framework.determinism`).
 
 `Trainer.remat_policy = "auto"` with `--memory_budget` runs the planner (`framework.planner`) first,
 over `--policies` at the config's batch size, and trains with its pick. The binary resolves "auto":
@@ -46,6 +48,14 @@ flags.DEFINE_bool(
     "print_config",
     False,
     "Build the run without a model directory, print the operative gin config and exit.",
+)
+flags.DEFINE_integer(
+    "check_determinism",
+    None,
+    "Instead of training: build the run twice without a model directory, train both copies N "
+    "steps in lockstep and report the first step and variable where they differ (exit 1), or "
+    "that they are bit-identical (exit 0).",
+    lower_bound=1,
 )
 flags.adopt_module_key_flags(cli)
 flags.declare_key_flag("verbosity")
@@ -223,6 +233,20 @@ def _ctrl_c_preempts() -> None:
     signal.signal(signal.SIGINT, preempt)
 
 
+def _check_determinism(trainer_class: type, num_steps: int) -> int:
+    """`--check_determinism`: exit status 0 when two copies of the run stay bit-identical."""
+    from framework import determinism
+
+    found = determinism.first_difference(lambda: _build(trainer_class, None), num_steps)
+    if found is None:
+        logging.info(
+            "determinism check: %d steps of two copies of the run: bit-identical", num_steps
+        )
+        return 0
+    logging.warning("determinism check: two copies of the run first differ after %s", found)
+    return 1
+
+
 def _build(trainer_class: type, model_dir: str | None):
     try:
         return trainer_class(model_dir)
@@ -256,7 +280,8 @@ def _build_and_run(trainer_class: type, model_dir: str, watch=None) -> dict[str,
 def main(argv: Sequence[str]) -> int:
     """Configures and runs the trainer for the parsed flags; returns the exit status."""
     files, bindings = cli.gin_inputs(argv)
-    model_dir = None if FLAGS.print_config else cli.model_dir_flag()
+    in_memory = FLAGS.print_config or FLAGS.check_determinism
+    model_dir = None if in_memory else cli.model_dir_flag()
 
     import tensorflow as tf
 
@@ -270,6 +295,8 @@ def main(argv: Sequence[str]) -> int:
         _build(Trainer, None)
         print(gin.operative_config_str())
         return 0
+    if FLAGS.check_determinism:
+        return _check_determinism(Trainer, FLAGS.check_determinism)
     cli.prepare_model_dir(model_dir)
     watch = resolve_auto_policy(TrainerSettings, files, bindings, model_dir)
     try:

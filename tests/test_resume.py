@@ -1,4 +1,5 @@
-"""A resumed run is the run that was never interrupted: the same weights, bit for bit on CPU.
+"""Reproducible runs. A resumed run is the run that was never interrupted: the same weights, bit
+for bit on CPU; and the determinism check finds where two copies of a run part, if they do.
 
 Each case trains a model with dropout straight to the end, and again with an interruption: a
 crash between two periodic saves (the steps after the last save are trained again) and, for
@@ -8,9 +9,18 @@ CPUs, for the ViT, the scanned ViT and the decoder LM. Without the model's rando
 checkpoints, a restart draws other dropout masks and the weights end up to 6e-3 apart.
 """
 
+import functools
+import itertools
+import subprocess
+import sys
+
 import pytest
 
-from tests.subprocesses import run_python
+from framework import determinism
+from framework.models import VisionTransformer
+from framework.trainer import Trainer
+from tests import tiny
+from tests.subprocesses import REPO_DIR, child_env, run_python
 
 pytestmark = pytest.mark.slow  # subprocesses: the full tier only
 
@@ -116,3 +126,30 @@ def test_interrupted_and_resumed_runs_equal_the_uninterrupted_one_bit_for_bit(mo
             assert result[f"{case}/sigterm_error"] == "PreemptedError", result
             assert 6 < result[f"{case}/sigterm_restored"] < 12, result  # saved after SIGTERM
             assert result[f"{case}/sigterm"] == 0.0, result
+
+
+def tiny_run(**overrides) -> Trainer:
+    model_fn = functools.partial(VisionTransformer, **tiny.MODEL, dropout=0.1)
+    return Trainer(None, **{**tiny.TRAINER_ARGS, "model_fn": model_fn, **overrides})
+
+
+def test_two_copies_of_a_run_are_bit_identical_and_a_difference_is_found():
+    assert determinism.first_difference(tiny_run, 3) is None
+    rates = itertools.cycle([3e-3, 3.0001e-3])  # the second copy: another learning rate
+    found = determinism.first_difference(lambda: tiny_run(learning_rate=next(rates)), 3)
+    assert found is not None and found.step <= 2 and found.max_abs > 0, found  # (warm-up)
+
+
+def test_the_binary_checks_determinism_and_says_so():
+    flags = [*tiny.GIN_FLAGS, "--gin.models.VisionTransformer.dropout=0.1"]
+    run = subprocess.run(
+        [sys.executable, "-m", "framework.train", *flags, "--check_determinism=2"],
+        cwd=REPO_DIR,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "determinism check: 2 steps of two copies of the run: bit-identical" in run.stderr

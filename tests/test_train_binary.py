@@ -306,7 +306,7 @@ def listed_flags(help_text: str) -> set[str]:
 
 
 HELP_CASES = {
-    "framework.train": ["--gin_file", "--gin_bindings", "--model_dir", "--memory_budget"],
+    "framework.train": ["--gin_file", "--gin_bindings", "--model_dir", "--check_determinism"],
     "framework.planner": ["--gin_file", "--memory_budget", "--batch_sizes", "--target"],
     "framework.sample": ["--model_dir", "--prompt", "--max_tokens", "--verbosity"],
     "framework.export": ["--model_dir", "--export_dir", "--checkpoint"],
