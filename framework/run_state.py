@@ -149,7 +149,7 @@ class RunState:
     def _restore_random_state(self, prefix: str) -> None:
         """Restores the random state, saying why the run goes on other than the uninterrupted
         one would have, if it does."""
-        reader = tf.train.load_checkpoint(prefix)
+        reader = tf.compat.v1.train.NewCheckpointReader(prefix)  # (a prefix, not a directory)
         names = reader.get_variable_to_shape_map()
         saved = sum(name.startswith("random_state/") for name in names)
         tf.train.Checkpoint(random_state=self.random_state).restore(prefix).expect_partial()
