@@ -45,3 +45,23 @@ def run_json(args: list[str], env: dict[str, str | None] | None = None, timeout:
 def run_python(script: str, env: dict[str, str | None] | None = None, timeout: int = 300) -> dict:
     """Runs `script` (dedented), which prints one JSON object as its last line; returns it."""
     return run_json(["-c", textwrap.dedent(script)], env, timeout)
+
+
+def command(*args: str, launcher: tuple[str, ...] = ("-m", "framework.train")) -> list[str]:
+    """`python -m framework.train ARGS` (or another `launcher`) with this interpreter."""
+    return [sys.executable, *launcher, *args]
+
+
+def run_binary(
+    *args: str, launcher: tuple[str, ...] = ("-m", "framework.train"), cwd=REPO_DIR
+) -> subprocess.CompletedProcess:
+    """Runs the training binary (or `launcher`) with `args`; its output is captured."""
+    return subprocess.run(
+        command(*args, launcher=launcher),
+        cwd=cwd,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )

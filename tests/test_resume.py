@@ -11,8 +11,6 @@ checkpoints, a restart draws other dropout masks and the weights end up to 6e-3 
 
 import functools
 import itertools
-import subprocess
-import sys
 
 import pytest
 
@@ -20,7 +18,7 @@ from framework import determinism
 from framework.models import VisionTransformer
 from framework.trainer import Trainer
 from tests import tiny
-from tests.subprocesses import REPO_DIR, child_env, run_python
+from tests.subprocesses import run_binary, run_python
 
 pytestmark = pytest.mark.slow  # subprocesses: the full tier only
 
@@ -142,14 +140,6 @@ def test_two_copies_of_a_run_are_bit_identical_and_a_difference_is_found():
 
 def test_the_binary_checks_determinism_and_says_so():
     flags = [*tiny.GIN_FLAGS, "--gin.models.VisionTransformer.dropout=0.1"]
-    run = subprocess.run(
-        [sys.executable, "-m", "framework.train", *flags, "--check_determinism=2"],
-        cwd=REPO_DIR,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    run = run_binary(*flags, "--check_determinism=2")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "determinism check: 2 steps of two copies of the run: bit-identical" in run.stderr

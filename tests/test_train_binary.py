@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from framework import cli, settings, train, trainer
 from framework.data import text
-from tests.subprocesses import REPO_DIR, child_env
+from tests.subprocesses import REPO_DIR, child_env, command, run_binary
 
 TINY_RUN = [
     "--gin_file=quickstart.gin",
@@ -52,22 +52,6 @@ import os, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 os.execv(sys.executable, [sys.executable, "-m", "framework.train", *sys.argv[1:]])
 """
-
-
-def command(*args: str, launcher: tuple[str, ...] = ("-m", "framework.train")) -> list[str]:
-    return [sys.executable, *launcher, *args]
-
-
-def run_binary(*args: str, launcher: tuple[str, ...] = ("-m", "framework.train"), cwd=REPO_DIR):
-    return subprocess.run(
-        command(*args, launcher=launcher),
-        cwd=cwd,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
 
 
 def the_error_line(stderr: str) -> str:
