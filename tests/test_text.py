@@ -129,6 +129,22 @@ def test_eval_is_finite_held_out_and_counts_every_target(corpus):
     assert not train & {bytes(d) for d in corpus.documents("eval").as_numpy_iterator()}
 
 
+def test_mlm_masks_are_those_of_the_uninterrupted_stream_after_a_resume(corpus):
+    def batches(split, start_step=0, count=5):
+        data = text.text_mlm(split, global_batch_size=4, start_step=start_step, corpus=corpus)
+        return [tf.nest.map_structure(lambda t: t.numpy(), b) for b in data.take(count)]
+
+    def assert_same(a, b):
+        tf.nest.map_structure(np.testing.assert_array_equal, a, b)
+
+    whole = batches("train")
+    for got, want in zip(batches("train", start_step=3, count=2), whole[3:], strict=True):
+        assert_same(got, want)
+    assert_same(batches("eval", count=2), batches("eval", count=2))  # each eval masks alike
+    positions = [b[0]["masked_positions"] for b in whole]
+    assert any(not np.array_equal(positions[0], p) for p in positions[1:])  # drawn per batch
+
+
 def test_mlm_masking_rates(corpus):
     ids = vocab.special_ids(corpus.vocab())
     dataset = text.text_mlm("train", global_batch_size=32, corpus=corpus)

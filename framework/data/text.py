@@ -29,8 +29,9 @@ sub-split), so each host reads 1/P of the data, and its stream depends on P; 'au
 files when there are at least as many as pipelines. Eval is read whole by every pipeline, so
 each example counts once and every replica runs the same steps.
 
-Dynamic masking draws from TensorFlow's seeded random ops, so after a resume the masks differ from
-the ones an uninterrupted run would have drawn (the tokens do not).
+Masked-LM masks are drawn afresh for every batch (dynamic masking), by stateless ops keyed by the
+seed and the batch's first global row: a resumed run draws the masks the uninterrupted one would
+have, and each evaluation masks the same positions.
 """
 
 from __future__ import annotations
@@ -552,7 +553,7 @@ def lm_example(rows: dict[str, tf.Tensor]):
 
 
 def max_predictions(sequence_length: int, mask_rate: float) -> int:
-    """Masked positions per row: ceil(rate * length), the most `RandomItemSelector` picks."""
+    """Masked positions per row: ceil(rate * length), the most `mlm_example` picks."""
     return max(1, math.ceil(sequence_length * mask_rate))
 
 
@@ -560,35 +561,50 @@ def mlm_example(
     rows: dict[str, tf.Tensor],
     ids: dict[str, int],
     vocab_size: int,
-    mask_rate: float = 0.15,
+    mask_rate: float,
+    key: tf.Tensor,
 ):
     """(inputs, labels, weights) for BERT's masked LM on packed rows [B, T].
 
-    tensorflow-text picks ceil(mask_rate * tokens) positions of each row ([PAD], [BOS], [EOS]
-    excluded; `ids` may lack [BOS] and [EOS]) and replaces 80% of them by [MASK], 10% by a
-    random token, and keeps 10%. Labels and weights are [B, P] over the picked positions
-    (`inputs["masked_positions"]`), P = `max_predictions`; unused slots weigh 0.
+    Picks ceil(mask_rate * tokens) positions of each row ([PAD], [BOS], [EOS] excluded; `ids`
+    may lack [BOS] and [EOS]), at most `max_predictions`, and replaces 80% of them by [MASK],
+    10% by a random token, and keeps 10%, as BERT does. Every draw is stateless, keyed by `key`
+    (int64[2]: the seed and the batch's first global row), so the masks of a batch are the
+    same whenever it is read - in a resumed run too. Labels and weights are [B, P] over the
+    picked positions (`inputs["masked_positions"]`, ascending), P = `max_predictions`; unused
+    slots weigh 0.
     """
     tokens, segments = rows["tokens"], rows["segment_ids"]
     batch, length = tokens.shape
     limit = max_predictions(length, mask_rate)
-    lengths = tf.reduce_sum(tf.cast(segments > 0, tf.int64), axis=1)
-    selector = tf_text.RandomItemSelector(
-        max_selections_per_batch=limit,
-        selection_rate=mask_rate,
-        unselectable_ids=[
-            ids[name] for name in (vocab_lib.PAD, vocab_lib.BOS, vocab_lib.EOS) if name in ids
-        ],
+    special = [ids[name] for name in (vocab_lib.PAD, vocab_lib.BOS, vocab_lib.EOS) if name in ids]
+    selectable = (segments > 0) & ~tf.reduce_any(
+        tokens[..., None] == tf.constant(special, tokens.dtype), axis=-1
     )
-    chooser = tf_text.MaskValuesChooser(vocab_size, ids[vocab_lib.MASK], 0.8, 0.1)
-    masked, positions, labels = tf_text.mask_language_model(
-        tf.RaggedTensor.from_tensor(tokens, lengths=lengths), selector, chooser
+    count = tf.reduce_sum(tf.cast(selectable, tf.float64), axis=1)
+    wanted = tf.minimum(tf.cast(tf.math.ceil(count * mask_rate), tf.int32), limit)
+    pick_key, choice_key, token_key = tf.unstack(tf.random.experimental.stateless_split(key, 3))
+    scores = tf.where(selectable, tf.random.stateless_uniform([batch, length], pick_key), -1.0)
+    best = tf.argsort(scores, axis=1, direction="DESCENDING")[:, :limit]
+    chosen = tf.range(limit)[None, :] < wanted[:, None]
+    positions = tf.sort(tf.where(chosen, best, length), axis=1)  # unused slots last
+    chosen = positions < length
+    positions = tf.where(chosen, positions, 0)
+    originals = tf.gather(tokens, positions, batch_dims=1)
+    choice = tf.random.stateless_uniform([batch, limit], choice_key)
+    random_tokens = tf.random.stateless_uniform(
+        [batch, limit], token_key, maxval=vocab_size, dtype=tokens.dtype
     )
+    mask = tf.fill([batch, limit], tf.constant(ids[vocab_lib.MASK], tokens.dtype))
+    values = tf.where(choice < 0.8, mask, tf.where(choice < 0.9, random_tokens, originals))
+    where = tf.stack([tf.broadcast_to(tf.range(batch)[:, None], [batch, limit]), positions], -1)
     inputs = dict(rows)
-    inputs["tokens"] = masked.to_tensor(ids[vocab_lib.PAD], shape=[batch, length])
-    inputs["masked_positions"] = tf.cast(positions, tf.int32).to_tensor(0, shape=[batch, limit])
-    weights = tf.ones_like(labels, tf.float32).to_tensor(0.0, shape=[batch, limit])
-    return inputs, labels.to_tensor(0, shape=[batch, limit]), weights
+    inputs["tokens"] = tf.tensor_scatter_nd_update(
+        tokens, tf.boolean_mask(where, chosen), tf.boolean_mask(values, chosen)
+    )
+    inputs["masked_positions"] = positions
+    weights = tf.cast(chosen, tf.float32)
+    return inputs, tf.where(chosen, originals, tf.zeros_like(originals)), weights
 
 
 def _check_split(split: str) -> None:
@@ -638,7 +654,16 @@ def text_mlm(
         )
     ids = vocabulary.special_ids()
     dataset = rows.batch(part.per_replica, drop_remainder=True)
-    return dataset.map(
-        lambda rows: mlm_example(rows, ids, vocabulary.size, mask_rate),
-        num_parallel_calls=tf.data.AUTOTUNE,
-    ).prefetch(tf.data.AUTOTUNE)
+    # Batch n of this pipeline: global step n // per_step, its replica batch n % per_step.
+    per_step = part.rows // part.per_replica
+    numbers = tf.data.Dataset.range(start_step * per_step, streams.ENDLESS)
+    sign = 1 if split == "train" else -1  # eval's keys never meet train's
+
+    def example(number, rows):
+        step, slot = number // per_step, number % per_step
+        first_row = step * part.global_batch + part.first + slot * part.per_replica
+        key = tf.stack([tf.constant(corpus.seed, tf.int64), sign * (first_row + 1)])
+        return mlm_example(rows, ids, vocabulary.size, mask_rate, key)
+
+    dataset = tf.data.Dataset.zip((numbers, dataset))
+    return dataset.map(example, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
