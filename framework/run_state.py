@@ -243,7 +243,7 @@ class RunState:
         written before finite checks existed may not be)."""
         for path in reversed(checkpoints.list_checkpoints(self.directory).committed):
             try:
-                reader = tf.train.load_checkpoint(path)
+                reader = tf.compat.v1.train.NewCheckpointReader(path)
                 values = (reader.get_tensor(name) for name in reader.get_variable_to_shape_map())
                 if all(
                     np.isfinite(v).all()
