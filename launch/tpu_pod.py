@@ -882,6 +882,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _model_dir(train_args: Sequence[str]) -> str | None:
+    """The last --model_dir among the training flags (`--model_dir=X` or `--model_dir X`)."""
+    found = None
+    for i, arg in enumerate(train_args):
+        if arg.startswith("--model_dir="):
+            found = arg.split("=", 1)[1]
+        elif arg == "--model_dir" and i + 1 < len(train_args):
+            found = train_args[i + 1]
+    return found
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = _parser()
     own, train_args = _split_at_double_dash(argv)
@@ -891,6 +902,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error(f"`{args.subcommand}` takes no training flags")
     if args.subcommand == "run" and not train_args:
         parser.error("`run` needs the flags for framework.train after --")
+    model_dir = _model_dir(train_args)
+    if model_dir is not None and "://" not in model_dir and not os.path.isabs(model_dir):
+        parser.error(
+            f"--model_dir={model_dir} is relative: the trainer runs on the TPU VM, where it would "
+            "name a directory on the VM's disk (lost with the VM), not one under this directory; "
+            "use gs://BUCKET/... (or an absolute path on the VM)"
+        )
     if args.subcommand != "versions" and not args.name:
         parser.error(f"`{args.subcommand}` needs --name")
     if args.worker != "all" and not args.worker.isdigit():

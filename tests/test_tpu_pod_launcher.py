@@ -456,6 +456,8 @@ def test_a_failing_step_stops_the_launcher_with_its_status(tmp_path):
         (["logs", *TPU, "--worker=first"], "--worker must be"),
         (["setup", *TPU, "--libtpu_flags=--a='b'"], "must be a plain --flag=value"),
         (["resume", *TPU, "--accelerator_type=v4-8"], "no recorded run"),
+        (["run", *TPU, "--", "--model_dir=runs/x"], "--model_dir=runs/x is relative"),
+        (["run", *TPU, "--", "--model_dir", "runs/x"], "--model_dir=runs/x is relative"),
     ],
 )
 def test_bad_usage(cloud, args, message):
