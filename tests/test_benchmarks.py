@@ -200,6 +200,12 @@ def test_vocab_sample_quick():
     assert re.search(r"\| peak memory \| \+\d+ MiB", report), report
 
 
+def test_text_resume_quick():
+    report = run_benchmark("text_resume.py", "--quick").stdout
+    rows = re.findall(r"^\| (\d+) \| ([\d,]+) \| ([\d.]+) s \|$", report, re.M)
+    assert [(step, tokens) for step, tokens, _ in rows] == [("0", "0"), ("20", "81,920")], report
+
+
 def test_remat_user_models_quick(tmp_path):
     out = tmp_path / "remat_user_models.md"
     run_benchmark("remat_user_models.py", "--quick", "--models=bert,mobilenetv3", f"--out={out}")

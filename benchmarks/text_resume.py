@@ -1,0 +1,106 @@
+"""How long a resumed language-model run waits for its first batch.
+
+    python benchmarks/text_resume.py --size_mb=200 --out=benchmarks/results/text_resume.md
+    python benchmarks/text_resume.py --quick      # smoke test: 0.2 MB, 1000 tokens
+
+A text pipeline resumes at the restored step by reading its stream up to it: the rows before it
+are read, tokenized, packed and dropped (`framework/data/text.py`), so the wait grows with the
+step. This writes a corpus of JSON lines (`vocab_sample.write_corpus`: made-up words from a Zipf
+law) into a temporary directory, learns its vocabulary once, and times the first batch of
+`data.text_lm` at several start steps (global batch 32, sequence 128: what a resumed run of that
+shape waits before its first step). The corpus is deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+from remat_policies import machine
+from vocab_sample import write_corpus
+
+GLOBAL_BATCH, LENGTH = 32, 128
+
+
+def first_batch_seconds(corpus, start_step: int) -> float:
+    from framework.data import text
+
+    start = time.perf_counter()
+    dataset = text.text_lm(
+        "train", global_batch_size=GLOBAL_BATCH, start_step=start_step, corpus=corpus
+    )
+    next(iter(dataset))
+    return time.perf_counter() - start
+
+
+def measure(directory: str, steps: list[int], vocab_size: int) -> list[dict]:
+    from framework.data import text
+
+    corpus = text.TextCorpus(
+        files=os.path.join(directory, "part-*.jsonl"),
+        json_field="text",
+        vocab_path=os.path.join(directory, "vocab.txt"),
+        vocab_size=vocab_size,
+        sequence_length=LENGTH,
+        log_stats=False,
+    )
+    corpus.vocab()  # learned once, before any timing
+    first_batch_seconds(corpus, 0)  # TensorFlow's start-up, not the pipeline's
+    rows = []
+    for step in steps:
+        seconds = first_batch_seconds(corpus, step)
+        tokens = step * GLOBAL_BATCH * LENGTH
+        rows.append({"start_step": step, "skipped_tokens": tokens, "s": seconds})
+    return rows
+
+
+def report(rows: list[dict], size_mb: float, command: str) -> str:
+    lines = [
+        "# Resuming a text run: the wait for the first batch",
+        "",
+        f"`{command}`; {datetime.date.today()}; {machine()}.",
+        "",
+        f"Corpus: {size_mb:g} MB of generated JSON lines; global batch {GLOBAL_BATCH}, "
+        f"sequence {LENGTH}. The pipeline re-reads its stream up to the start step.",
+        "",
+        "| start step | tokens skipped | first batch after |",
+        "|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(f"| {row['start_step']} | {row['skipped_tokens']:,} | {row['s']:.2f} s |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size_mb", type=float, default=200, help="corpus size to generate")
+    parser.add_argument("--files", type=int, default=16, help="files the corpus is split into")
+    parser.add_argument(
+        "--steps", default="0,1000,4000,16000", help="start steps to time, comma-separated"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="0.2 MB, 1000 tokens, start steps 0 and 20"
+    )
+    parser.add_argument("--out", help="write the report (markdown) here too")
+    args = parser.parse_args()
+    size_mb, steps = (0.2, [0, 20]) if args.quick else (args.size_mb, args.steps.split(","))
+    directory = tempfile.mkdtemp(prefix="text_resume-")
+    try:
+        write_corpus(directory, size_mb, 2 if args.quick else args.files)
+        rows = measure(directory, [int(s) for s in steps], 1000 if args.quick else 8192)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    text = report(rows, size_mb, "python benchmarks/text_resume.py " + " ".join(sys.argv[1:]))
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
