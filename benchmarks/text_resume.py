@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from remat_policies import machine
+from remat_policies import machine, write_report
 from vocab_sample import write_corpus
 
 GLOBAL_BATCH, LENGTH = 32, 128
@@ -95,11 +95,8 @@ def main() -> None:
         rows = measure(directory, [int(s) for s in steps], 1000 if args.quick else 8192)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    text = report(rows, size_mb, "python benchmarks/text_resume.py " + " ".join(sys.argv[1:]))
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    command = "python benchmarks/text_resume.py " + " ".join(sys.argv[1:])
+    write_report(report(rows, size_mb, command), args.out)
 
 
 if __name__ == "__main__":

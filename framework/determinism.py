@@ -48,6 +48,6 @@ def first_difference(build: Callable[[], object], num_steps: int) -> Difference 
         states = [_state(copy) for copy in copies]
         for (name, a), (_, b) in zip(*states, strict=True):
             if a.tobytes() != b.tobytes():
-                diff = np.abs(a.astype(np.float64) - b.astype(np.float64)) if a.size else [0.0]
+                diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
                 return Difference(copies[0].step, name, float(np.max(diff)))
     return None
