@@ -3,12 +3,14 @@
     python benchmarks/text_resume.py --size_mb=200 --out=benchmarks/results/text_resume.md
     python benchmarks/text_resume.py --quick      # smoke test: 0.2 MB, 1000 tokens
 
-A text pipeline resumes at the restored step by reading its stream up to it: the rows before it
-are read, tokenized, packed and dropped (`framework/data/text.py`), so the wait grows with the
-step. This writes a corpus of JSON lines (`vocab_sample.write_corpus`: made-up words from a Zipf
-law) into a temporary directory, learns its vocabulary once, and times the first batch of
-`data.text_lm` at several start steps (global batch 32, sequence 128: what a resumed run of that
-shape waits before its first step). The corpus is deleted afterwards.
+A text pipeline resumes at the restored step in one of two ways (`framework/data/text.py`): from
+the stream position its checkpoint holds (the trainer saves one per input pipeline), reading past
+the raw lines before it undecoded; or, without one, by reading its stream up to the step, the
+rows before it read, tokenized, packed and dropped. This writes a corpus of JSON lines
+(`vocab_sample.write_corpus`: made-up words from a Zipf law) into a temporary directory, learns
+its vocabulary once, records the stream's positions in one pass, and times the first batch of
+`data.text_lm` both ways at several start steps (global batch 32, sequence 128: what a resumed
+run of that shape waits before its first step). The corpus is deleted afterwards.
 """
 
 from __future__ import annotations
@@ -27,15 +29,31 @@ from vocab_sample import write_corpus
 GLOBAL_BATCH, LENGTH = 32, 128
 
 
-def first_batch_seconds(corpus, start_step: int) -> float:
-    from framework.data import text
+def first_batch_seconds(corpus, start_step: int, saved=None) -> float:
+    from framework.data import positions, text
 
     start = time.perf_counter()
     dataset = text.text_lm(
-        "train", global_batch_size=GLOBAL_BATCH, start_step=start_step, corpus=corpus
+        "train",
+        global_batch_size=GLOBAL_BATCH,
+        start_step=start_step,
+        corpus=corpus,
+        stream_positions=positions.StreamPositions(saved) if saved is not None else None,
     )
     next(iter(dataset))
     return time.perf_counter() - start
+
+
+def recorded_positions(corpus, steps: list[int]) -> dict:
+    """Each step's saved position, as a checkpoint holds it: one pass over the stream."""
+    from framework.data import positions, text
+
+    log = positions.StreamPositions(slots=max(steps) + 1)
+    dataset = text.text_lm(
+        "train", global_batch_size=GLOBAL_BATCH, corpus=corpus, stream_positions=log
+    )
+    next(iter(dataset.skip(max(steps))))
+    return {step: log.of_step(step)[None] for step in steps}
 
 
 def measure(directory: str, steps: list[int], vocab_size: int) -> list[dict]:
@@ -51,11 +69,15 @@ def measure(directory: str, steps: list[int], vocab_size: int) -> list[dict]:
     )
     corpus.vocab()  # learned once, before any timing
     first_batch_seconds(corpus, 0)  # TensorFlow's start-up, not the pipeline's
+    saved = recorded_positions(corpus, steps)
     rows = []
     for step in steps:
-        seconds = first_batch_seconds(corpus, step)
         tokens = step * GLOBAL_BATCH * LENGTH
-        rows.append({"start_step": step, "skipped_tokens": tokens, "s": seconds})
+        reading = first_batch_seconds(corpus, step)
+        seeking = first_batch_seconds(corpus, step, saved[step])
+        rows.append(
+            {"start_step": step, "skipped_tokens": tokens, "read": reading, "seek": seeking}
+        )
     return rows
 
 
@@ -66,13 +88,17 @@ def report(rows: list[dict], size_mb: float, command: str) -> str:
         f"`{command}`; {datetime.date.today()}; {machine()}.",
         "",
         f"Corpus: {size_mb:g} MB of generated JSON lines; global batch {GLOBAL_BATCH}, "
-        f"sequence {LENGTH}. The pipeline re-reads its stream up to the start step.",
+        f"sequence {LENGTH}. Reading: the stream read up to the start step (no saved position); "
+        "from the saved position: what a run resumed from its checkpoint does.",
         "",
-        "| start step | tokens skipped | first batch after |",
-        "|---|---|---|",
+        "| start step | tokens before it | reading up to it | from the saved position |",
+        "|---|---|---|---|",
     ]
     for row in rows:
-        lines.append(f"| {row['start_step']} | {row['skipped_tokens']:,} | {row['s']:.2f} s |")
+        lines.append(
+            f"| {row['start_step']} | {row['skipped_tokens']:,} | {row['read']:.2f} s "
+            f"| {row['seek']:.2f} s |"
+        )
     return "\n".join(lines) + "\n"
 
 

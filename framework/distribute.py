@@ -14,6 +14,7 @@ import logging
 import socket
 import urllib.parse
 
+import numpy as np
 import tensorflow as tf
 
 STRATEGIES = ("one_device", "mirrored", "multi_worker_mirrored", "tpu")
@@ -160,3 +161,26 @@ def first_device(strategy: tf.distribute.Strategy) -> str:
 def is_chief(strategy: tf.distribute.Strategy) -> bool:
     """Whether this process writes checkpoints, summaries and the run record (one per cluster)."""
     return strategy.extended.should_checkpoint
+
+
+def worker_count(strategy: tf.distribute.Strategy) -> int:
+    """The tasks of the run's cluster (workers, or a TPU pod's hosts); 1 without a cluster."""
+    resolver = strategy.cluster_resolver
+    return sum(map(len, resolver.cluster_spec().as_dict().values())) if resolver else 1
+
+
+def pipelines_run_here(strategy: tf.distribute.Strategy) -> bool:
+    """Whether this process runs the run's input pipelines itself: all but a TPU pod's client,
+    which builds one pipeline per host and has each run on its host."""
+    is_pod = isinstance(strategy, tf.distribute.TPUStrategy) and strategy.extended.num_hosts > 1
+    return not is_pod
+
+
+def gather_workers(strategy: tf.distribute.Strategy, value: np.ndarray) -> np.ndarray:
+    """[workers, ...]: each worker's `value` (all the same shape), on every worker; collective,
+    so every worker calls it at the same point. Replicas are numbered worker by worker."""
+    gathered = strategy.gather(
+        strategy.experimental_distribute_values_from_function(lambda _: tf.constant(value[None])),
+        axis=0,
+    ).numpy()
+    return gathered[:: len(gathered) // worker_count(strategy)]

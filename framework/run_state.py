@@ -14,6 +14,8 @@
   that trained it, so that a resumed run is the uninterrupted one, bit for bit on the same
   devices; what makes it differ (an older checkpoint, another replica count, another model) is
   logged at restore.
+- It holds where each input pipeline's stream stood at that step (`data_position`, for streams a
+  step cannot address: `data.positions`), so that a resumed run starts reading there.
 """
 
 from __future__ import annotations
@@ -43,10 +45,13 @@ def random_state(model: keras.Model) -> list[keras.Variable]:
 
 
 class RunState:
-    """The checkpoints of `model`, `optimizer`, `learning_rate_scale` and the model's random state
-    in `model_dir`.
+    """The checkpoints of `model`, `optimizer`, `learning_rate_scale`, the model's random state
+    and `data_position` in `model_dir`.
 
     `is_finite()` says whether the state in memory is finite; a restored checkpoint must be.
+    `data_position`: [pipelines, ...] int64, the input streams' positions at the current step,
+    kept up to date by the trainer; `saved_data_position` is the restored checkpoint's (None
+    when it holds none).
     """
 
     def __init__(
@@ -60,15 +65,17 @@ class RunState:
         strategy: tf.distribute.Strategy,
         keep: int | None,
         lease_seconds: float,
+        data_position: tf.Variable,
     ):
         self.model, self.optimizer = model, optimizer
+        self.data_position = data_position
+        self.saved_data_position: np.ndarray | None = None
         self.learning_rate_scale = learning_rate_scale
         self.is_finite = is_finite
         self.is_chief = is_chief = distribute.is_chief(strategy)
         self.random_state = random_state(model)
         self._replicas = strategy.num_replicas_in_sync
-        resolver = strategy.cluster_resolver
-        self.workers = sum(map(len, resolver.cluster_spec().as_dict().values())) if resolver else 1
+        self.workers = distribute.worker_count(strategy)
         self.directory = os.path.join(model_dir, "checkpoints")
         self._lock = run_lock.RunLock(model_dir, lease_seconds=lease_seconds)
         if is_chief:
@@ -88,6 +95,7 @@ class RunState:
                 learning_rate_scale=learning_rate_scale,
                 random_state=self.random_state,
                 replicas_in_sync=tf.Variable(self._replicas, trainable=False, dtype=tf.int64),
+                data_position=data_position,
             ),
             self.directory if is_chief else tempfile.mkdtemp(prefix="ckpt-"),
             max_to_keep=keep,
@@ -145,6 +153,11 @@ class RunState:
         if not self.is_finite():
             raise ValueError("it holds non-finite values (saved by a diverged run)")
         self._restore_random_state(prefix)
+        # Read, not assigned: its shape is the saving run's number of pipelines.
+        reader = tf.compat.v1.train.NewCheckpointReader(prefix)
+        key = "data_position/.ATTRIBUTES/VARIABLE_VALUE"
+        has = key in reader.get_variable_to_shape_map()
+        self.saved_data_position = reader.get_tensor(key) if has else None
 
     def _restore_random_state(self, prefix: str) -> None:
         """Restores the random state, saying why the run goes on other than the uninterrupted
@@ -182,18 +195,12 @@ class RunState:
         storage is consistent; where it is not (a listing that lags, a worker whose model_dir
         path names another directory), they would train on from different states silently.
         """
-        steps = strategy.gather(
-            strategy.experimental_distribute_values_from_function(
-                lambda _: tf.constant([self.step], tf.int64)
-            ),
-            axis=0,
-        ).numpy()
+        steps = distribute.gather_workers(strategy, np.array(self.step, np.int64))
         if len(set(steps.tolist())) == 1:
             return
-        per_worker = len(steps) // self.workers  # replicas are numbered worker by worker
         restored = ", ".join(
             f"worker {i}: {f'ckpt-{step}' if step else 'none (a fresh start)'}"
-            for i, step in enumerate(steps[::per_worker].tolist())
+            for i, step in enumerate(steps.tolist())
         )
         raise TrainerError(
             f"the workers restored different checkpoints from {self.directory} ({restored}): "

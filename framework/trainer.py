@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from framework import actions as actions_lib
 from framework import distribute, flops, memory, optim, remat, step, warm_start
-from framework.data import sharding
+from framework.data import positions, sharding
 from framework.errors import TrainerError
 from framework.run_state import RunState
 from framework.runtime import Runtime
@@ -77,6 +77,14 @@ class Trainer:
         )
         self._eval_loop = step.make_eval_loop(self.strategy, self.model, loss_fn=s.loss_fn)
 
+        # Where each step's batch begins in the training stream, for a dataset_fn whose stream a
+        # step cannot address (packed text): saved with the checkpoints, so that a resumed run
+        # starts reading there. Created outside the strategy's scope: one plain variable.
+        self._stream_positions = None
+        if sharding.takes_stream_positions(s.dataset_fn) and distribute.pipelines_run_here(
+            self.strategy
+        ):
+            self._stream_positions = positions.StreamPositions()
         self.run_state = None
         if model_dir is not None:
             self.run_state = RunState(
@@ -88,6 +96,11 @@ class Trainer:
                 strategy=self.strategy,
                 keep=s.keep_checkpoints,
                 lease_seconds=s.lock_lease_seconds,
+                data_position=tf.Variable(
+                    np.full([distribute.worker_count(self.strategy), 1 + positions.WIDTH], -1),
+                    trainable=False,
+                    dtype=tf.int64,
+                ),
             )
         if s.init_checkpoint and not (self.run_state and self.run_state.restored):
             with self.strategy.scope():
@@ -108,10 +121,20 @@ class Trainer:
         """Whether every floating-point variable of the model and the optimizer is finite."""
         return bool(self._is_finite())
 
-    def _dataset(self, split: str, start_step: int = 0) -> tf.distribute.DistributedDataset:
+    def _dataset(
+        self,
+        split: str,
+        start_step: int = 0,
+        stream_positions: positions.StreamPositions | None = None,
+    ) -> tf.distribute.DistributedDataset:
         batch, dataset_fn = self.settings.global_batch_size, self.settings.dataset_fn
         return sharding.distribute(
-            self.strategy, dataset_fn, split, global_batch_size=batch, start_step=start_step
+            self.strategy,
+            dataset_fn,
+            split,
+            global_batch_size=batch,
+            start_step=start_step,
+            stream_positions=stream_positions,
         )
 
     def evaluate(self) -> dict[str, float]:
@@ -128,8 +151,21 @@ class Trainer:
         return metrics
 
     def train_iterator(self):
-        """An iterator over the distributed training data, from the current step on."""
-        return iter(self._dataset("train", start_step=self.step))
+        """An iterator over the distributed training data, from the current step on (reading
+        from the restored checkpoint's stream positions where it holds them)."""
+        if self._stream_positions is not None and self.run_state is not None:
+            self._stream_positions.saved = self.run_state.saved_data_position
+        return iter(self._dataset("train", self.step, self._stream_positions))
+
+    def _note_stream_position(self) -> None:
+        """Keeps the checkpoint's stream positions at the current step: this process's, or
+        every worker's (a collective, as each loop ends on all workers)."""
+        if self._stream_positions is None or self.run_state is None:
+            return
+        row = self._stream_positions.of_step(self.step)
+        workers = self.run_state.workers
+        rows = row[None] if workers == 1 else distribute.gather_workers(self.strategy, row)
+        self.run_state.data_position.assign(rows)
 
     def run_steps(self, iterator, num_steps: int) -> np.ndarray:
         """Runs `num_steps` compiled train steps; returns the sums of `step.TRAIN_SUMS`. No
@@ -210,6 +246,7 @@ class Trainer:
         metrics: dict[str, float] = {}
         while self.step < stop:
             metrics = self.run_loop(iterator, min(self.settings.steps_per_loop, stop - self.step))
+            self._note_stream_position()
             try:
                 for action in self.actions:
                     action(self, metrics)

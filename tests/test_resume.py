@@ -93,6 +93,8 @@ SCRIPT = """
                 pass
             resumed = run(model, strategy, crashed)
             result[case + "/crash_restored"] = resumed.step
+            saved = resumed.run_state.saved_data_position
+            result[case + "/crash_position"] = None if saved is None else saved.tolist()
             resumed.train()
             result[case + "/crash"] = differences(state(resumed), want)
             if not {sigterm}:
@@ -120,6 +122,9 @@ def test_interrupted_and_resumed_runs_equal_the_uninterrupted_one_bit_for_bit(mo
         case = f"{model}/{strategy}"
         assert result[f"{case}/crash_restored"] == 4, result  # the save before the crash
         assert result[f"{case}/crash"] == 0.0, result
+        # The text stream resumed from its saved position (step 4's), not by reading up to it.
+        [(step, *where)] = result[f"{case}/crash_position"]
+        assert step == 4 and (min(where[:5]) >= 0) == (model == "decoder"), result
         if sigterm:
             assert result[f"{case}/sigterm_error"] == "PreemptedError", result
             assert 6 < result[f"{case}/sigterm_restored"] < 12, result  # saved after SIGTERM

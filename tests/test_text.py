@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from framework.data import packing, text, tfrecord, vocab
+from framework.data import packing, positions, text, tfrecord, vocab
 
 WORDS = (
     "the model trains on packed rows of tokens while attention stays inside each document and "
@@ -65,13 +65,13 @@ def test_packing_keeps_every_token_once_and_separates_documents():
     rows = {k: v.numpy() for k, v in packing.pack(tf.ragged.constant(docs), LENGTH).items()}
     assert rows["tokens"].shape[1] == LENGTH
     chunks = []
-    for tokens, segments, positions in zip(rows["tokens"], rows["segment_ids"], rows["positions"]):
+    for tokens, segments, places in zip(rows["tokens"], rows["segment_ids"], rows["positions"]):
         used = segments > 0
         assert not used[np.argmin(used) :].any() or used.all(), "padding only at the row's end"
         for segment in range(1, segments.max() + 1):
             where = np.flatnonzero(segments == segment)
             assert np.array_equal(where, np.arange(where[0], where[-1] + 1)), "contiguous"
-            assert np.array_equal(positions[where], np.arange(len(where))), "positions restart"
+            assert np.array_equal(places[where], np.arange(len(where))), "positions restart"
             chunks.append(tokens[where])
     # Every document, cut into row-sized chunks, appears exactly once.
     expected = [tuple(d[i : i + LENGTH]) for d in docs for i in range(0, len(d), LENGTH)]
@@ -238,3 +238,43 @@ def test_json_lines_field(tmp_path):
         ValueError, match="docs.jsonl:1: not a JSON object with a string field 'text'"
     ):
         text.read_documents(str(path), json_field="text")
+
+
+def test_resumed_stream_seeks_to_its_saved_position(corpus, caplog):
+    """Started from the position its pipeline recorded for step s, a stream makes the batches
+    the uninterrupted one makes from s on - within a shuffle block, across blocks, in the next
+    epoch - and says that it seeks; without a position for s it reads up to s, to the same rows."""
+    small = dataclasses.replace(corpus, shuffle_buffer=7)
+    log = positions.StreamPositions()
+    whole = [
+        b[0]["tokens"].numpy()
+        for b in text.text_lm(
+            "train", global_batch_size=2, corpus=small, stream_positions=log
+        ).take(260)
+    ]
+    # Packing windows of 256 documents (about 2.7 epochs here) begin at steps 0, 101 and 201.
+    saved = {step: log.of_step(step) for step in (13, 101, 150, 250)}
+    windows = {tuple(row[1:5]) for row in saved.values()}
+    assert len(windows) == 3 and {w[0] for w in windows} == {0, 2, 5}  # epochs
+    assert all(w[3] > 0 for w in windows if w[0])  # they begin inside a shuffle block
+    for step, row in saved.items():
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            resumed = text.text_lm(
+                "train",
+                global_batch_size=2,
+                corpus=small,
+                start_step=step,
+                stream_positions=positions.StreamPositions(row[None]),
+            )
+        assert f"resumes its training stream at step {step} where it stopped" in caplog.text
+        got = [b[0]["tokens"].numpy() for b in resumed.take(3)]
+        assert all(np.array_equal(g, w) for g, w in zip(got, whole[step : step + 3], strict=True))
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        other = positions.StreamPositions(saved[13][None])  # saved for another step
+        read = text.text_lm(
+            "train", global_batch_size=2, corpus=small, start_step=150, stream_positions=other
+        )
+    assert "reading the training stream up to step 150" in caplog.text
+    assert np.array_equal(next(iter(read))[0]["tokens"], whole[150])

@@ -28,6 +28,7 @@ one spelt with escapes (`"\\u0074ext"`) is not the field `text`.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -277,30 +278,39 @@ def problem_text(problem: int, field: str) -> str:
 def read_field(path: tf.Tensor, field: str, batch: int = 64) -> tf.data.Dataset:
     """The `field` of each non-blank line of the JSON lines file `path`, decoded in the graph;
     a line with a problem stops the pipeline with an InvalidArgumentError naming `path:line`."""
-    messages = tf.constant([problem_text(p, field) for p in range(len(PROBLEMS))])
+    decode = functools.partial(decode_field, field=field)
+    batches = raw_lines(path).batch(batch)
+    return batches.map(decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
+
+
+def raw_lines(path: tf.Tensor) -> tf.data.Dataset:
+    """(path, line number, line) of each non-blank line of `path`, undecoded: cheap to read past,
+    and decoded later by `decode_field`, which names path:line in its errors."""
     lines = tf.data.TextLineDataset(path).enumerate(1)
     lines = lines.filter(lambda number, line: ~tf.strings.regex_full_match(line, r"\s*"))
+    return lines.map(lambda number, line: (path, number, line))
 
-    def extract(numbers, batch_lines):
-        texts, problems = extract_field(batch_lines, field)
-        bad = problems > 0
-        worst = tf.argmax(tf.cast(bad, tf.int32))
-        where = tf.strings.join(
-            [
-                BAD_DATA,
-                path,
-                ":",
-                tf.strings.as_string(numbers[worst]),
-                ": ",
-                tf.gather(messages, problems[worst]),
-            ]
-        )
-        check = tf.debugging.Assert(~tf.reduce_any(bad), [where])
-        with tf.control_dependencies([check]):
-            return tf.identity(texts)
 
-    batches = lines.batch(batch)
-    return batches.map(extract, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
+def decode_field(paths: tf.Tensor, numbers: tf.Tensor, lines: tf.Tensor, field: str) -> tf.Tensor:
+    """The `field` of a batch of `raw_lines`; a line with a problem stops the pipeline with an
+    InvalidArgumentError naming its path:line."""
+    messages = tf.constant([problem_text(p, field) for p in range(len(PROBLEMS))])
+    texts, problems = extract_field(lines, field)
+    bad = problems > 0
+    worst = tf.argmax(tf.cast(bad, tf.int32))
+    where = tf.strings.join(
+        [
+            BAD_DATA,
+            paths[worst],
+            ":",
+            tf.strings.as_string(numbers[worst]),
+            ": ",
+            tf.gather(messages, problems[worst]),
+        ]
+    )
+    check = tf.debugging.Assert(~tf.reduce_any(bad), [where])
+    with tf.control_dependencies([check]):
+        return tf.identity(texts)
 
 
 def check_against_json(paths: list[str], field: str, lines: int = 8, files: int = 8) -> None:

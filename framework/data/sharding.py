@@ -11,6 +11,10 @@ once per input pipeline (one per host under a multi-worker or TPU strategy, as
 element is (inputs, labels) or (inputs, labels, weights); labels are integer class ids, or float
 class probabilities [..., classes] (mixed labels).
 
+A data set function whose stream a step number cannot address (packed text) also takes
+`stream_positions` (`positions.StreamPositions`): it records there where each step's batch
+begins, and a resumed run passes the positions it saved, so that it starts reading there.
+
 The trainer, not the data set, owns the global batch size, since the planner and the user
 change it per run; `input_context=None` means one pipeline feeding one replica (a notebook, a
 test, or the planner's single-replica step).
@@ -19,9 +23,12 @@ test, or the planner's single-replica step).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Protocol
 
 import tensorflow as tf
+
+from framework.data import positions
 
 
 class DatasetFn(Protocol):
@@ -80,12 +87,23 @@ def distribute(
     *,
     global_batch_size: int,
     start_step: int = 0,
+    stream_positions: positions.StreamPositions | None = None,
 ) -> tf.distribute.DistributedDataset:
-    """`dataset_fn`'s `split` as the strategy's distributed data set: one call per pipeline."""
+    """`dataset_fn`'s `split` as the strategy's distributed data set: one call per pipeline.
+    `stream_positions` goes to a `dataset_fn` that takes it."""
+    settings = dict(global_batch_size=global_batch_size, start_step=start_step)
+    if stream_positions is not None and takes_stream_positions(dataset_fn):
+        settings["stream_positions"] = stream_positions
 
     def pipeline(context: tf.distribute.InputContext) -> tf.data.Dataset:
-        return dataset_fn(
-            split, context, global_batch_size=global_batch_size, start_step=start_step
-        )
+        return dataset_fn(split, context, **settings)
 
     return strategy.distribute_datasets_from_function(pipeline)
+
+
+def takes_stream_positions(dataset_fn: DatasetFn) -> bool:
+    """Whether `dataset_fn` records and seeks stream positions (a `stream_positions` argument)."""
+    try:
+        return "stream_positions" in inspect.signature(dataset_fn).parameters
+    except (TypeError, ValueError):  # (a callable without a signature)
+        return False

@@ -116,15 +116,19 @@ def block_shuffle(
     """`records` in blocks of `block`, each block in a permutation drawn from (seed, epoch,
     block index): the locality of a shuffle buffer of that size, with stateless draws (tf.data's
     shuffle takes no tensor seed once a global seed is set, as the trainer sets one)."""
-    key = tf.stack([tf.cast(seed, tf.int64), tf.cast(epoch, tf.int64)])
 
     def permute(index, batch):
-        size = tf.shape(tf.nest.flatten(batch)[0])[0]
-        block_key = tf.random.experimental.stateless_fold_in(key, index)
-        order = tf.random.experimental.stateless_shuffle(tf.range(size), seed=block_key)
+        order = block_order(tf.shape(tf.nest.flatten(batch)[0])[0], seed, epoch, index)
         return tf.nest.map_structure(lambda x: tf.gather(x, order), batch)
 
     return records.batch(block).enumerate().map(permute).unbatch()
+
+
+def block_order(size: tf.Tensor, seed: int, epoch: tf.Tensor, block: tf.Tensor) -> tf.Tensor:
+    """The permutation of block `block` (`size` records) of epoch `epoch` in `block_shuffle`."""
+    key = tf.stack([tf.cast(seed, tf.int64), tf.cast(epoch, tf.int64)])
+    block_key = tf.random.experimental.stateless_fold_in(key, tf.cast(block, tf.int64))
+    return tf.random.experimental.stateless_shuffle(tf.range(size), seed=block_key)
 
 
 def record_epochs(

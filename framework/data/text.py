@@ -20,9 +20,15 @@ one pipeline, TensorFlow ops inside `tf.data` (no Python per document):
       eval:  the split once, in order -> global batches, the last one padded with empty rows
 
 Global step `s` holds rows `[s * G, (s + 1) * G)` of a stream (G is the global batch), and a
-resumed run (`start_step`) continues with the next rows: the stream is rebuilt and the rows
-before `s` are read, tokenized, packed and dropped (this pipeline's share of them when it reads
-its own files). `sharding` chooses how pipelines (one per host) share the data: 'read_all'
+resumed run (`start_step`) continues with the next rows. Which document step `s` begins in
+depends on the length of every document before it, so the pipeline records where each step's
+batch begins (`positions.StreamPositions`: the epoch, the shuffle block, the raw unit the block
+begins at, the packing window's first document, the row in the window), the trainer saves it
+with each checkpoint, and a resumed pipeline seeks there: it reads past the raw lines (or
+records) before the block undecoded, and decodes, tokenizes and packs from the block's start.
+Without a saved position (a checkpoint from before positions, another number of pipelines, a
+TPU pod whose pipelines run on other hosts, a direct call), the rows before `s` are read,
+tokenized, packed and dropped. `sharding` chooses how pipelines (one per host) share the data: 'read_all'
 builds one global stream in every pipeline and keeps its rows of each batch (the same stream
 for any number of hosts); 'read_own' gives pipeline i of P every P-th file (or the i-th TFDS
 sub-split), so each host reads 1/P of the data, and its stream depends on P; 'auto' reads own
@@ -49,7 +55,7 @@ import tensorflow as tf
 import tensorflow_text as tf_text
 
 from framework import checks
-from framework.data import json_lines, packing, sharding, streams, tfrecord
+from framework.data import json_lines, packing, positions, sharding, streams, tfrecord
 from framework.data import vocab as vocab_lib
 
 DOCUMENT_UNITS = ("line", "paragraph", "file")
@@ -131,11 +137,14 @@ def split_documents(documents: tf.data.Dataset, split: str, eval_fraction: float
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if not 0.0 < eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be between 0 and 1, got {eval_fraction}")
+    return documents.filter(_in_split(split, eval_fraction))
+
+
+def _in_split(split: str, eval_fraction: float) -> Callable[[tf.Tensor], tf.Tensor]:
+    """document -> whether it belongs to `split` (a hash of its text)."""
     cut = int(round(eval_fraction * _HASH_BUCKETS))
     held_out = split == "eval"
-    return documents.filter(
-        lambda d: tf.equal(tf.strings.to_hash_bucket_fast(d, _HASH_BUCKETS) < cut, held_out)
-    )
+    return lambda d: tf.equal(tf.strings.to_hash_bucket_fast(d, _HASH_BUCKETS) < cut, held_out)
 
 
 def make_tokenizer(vocab: list[str]) -> tf_text.FastWordpieceTokenizer:
@@ -248,6 +257,24 @@ def corpus_stats(tokens: tf.data.Dataset, vocab_size: int) -> dict[str, float]:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainStream:
+    """A source's training data, in the form a resumed run can seek in: raw units that are
+    cheap to read past (lines, records), and what turns them into token vectors.
+
+    raw(epoch): the epoch's raw units in an order drawn from (seed, epoch), the same every time.
+    encode(documents): token vectors (ragged int32 [n, (tokens)]) of a batch of documents.
+    decode(*units): a batch of raw units (batched as `raw` yields them) -> their documents, one
+      each (None: the units are the documents).
+    keep(document): whether a document is trained on (None: all).
+    """
+
+    raw: Callable[[tf.Tensor], tf.data.Dataset]
+    encode: Callable[[tf.Tensor], tf.RaggedTensor]
+    decode: Callable[..., tf.Tensor] | None = None
+    keep: Callable[[tf.Tensor], tf.Tensor] | None = None
+
+
 class TokenSource(Protocol):
     """What `text_lm` and `text_mlm` read: `TextCorpus`, `tfds_text.TfdsText` or
     `token_records.TokenRecords`.
@@ -256,10 +283,9 @@ class TokenSource(Protocol):
     `log_stats` settings, and:
       vocabulary(): learned or loaded once; every call gives the same.
       reads_own(part): whether the pipeline `part` reads its own part of the training data.
-      train_epoch(vocabulary, part, read_own): epoch number -> that epoch's token vectors (int32,
-        [BOS] ... [EOS] where the vocabulary has them), this pipeline's own or all, in an order
-        drawn from (seed, epoch): files interleaved in a permutation, then blocks of
-        `shuffle_buffer` documents each permuted (`streams.block_shuffle`).
+      train_stream(vocabulary, part, read_own): the training data, this pipeline's own or all
+        (`TrainStream`): raw units per epoch, in an order drawn from (seed, epoch), and how they
+        become token vectors (int32, [BOS] ... [EOS] where the vocabulary has them).
       eval_tokens(vocabulary): the eval split's token vectors, once, in a fixed order.
       sample_tokens(vocabulary): a bounded sample of the training split, for `split_stats`.
     """
@@ -273,9 +299,9 @@ class TokenSource(Protocol):
 
     def reads_own(self, part: sharding.Share) -> bool: ...
 
-    def train_epoch(
+    def train_stream(
         self, vocabulary: Vocabulary, part: sharding.Share, read_own: bool
-    ) -> Callable[[tf.Tensor], tf.data.Dataset]: ...
+    ) -> TrainStream: ...
 
     def eval_tokens(self, vocabulary: Vocabulary) -> tf.data.Dataset: ...
 
@@ -407,23 +433,25 @@ class TextCorpus:
             part,
         )
 
-    def train_epoch(
+    def train_stream(
         self, vocabulary: Vocabulary, part: sharding.Share, read_own: bool
-    ) -> Callable[[tf.Tensor], tf.data.Dataset]:
+    ) -> TrainStream:
         paths = _text_files(self.files, self.json_field)
         own = paths[part.pipeline :: part.pipelines] if read_own else paths
-        read, tokenizer = (
-            _file_reader(self.document_per, self.json_field),
-            tokenizer_for(vocabulary),
+        if self.json_field is None:  # lines, paragraphs or files: the raw units are documents
+            read, decode = _file_reader(self.document_per, None), None
+        else:  # JSON lines: read past undecoded
+            read = json_lines.raw_lines
+            decode = functools.partial(json_lines.decode_field, field=self.json_field)
+        in_train, tokenizer = _in_split("train", self.eval_fraction), tokenizer_for(vocabulary)
+        return TrainStream(
+            raw=lambda number: streams.interleaved_files(
+                own, read, self.seed, number, self.cycle_length
+            ),
+            encode=lambda texts: with_markers(tokenize(tokenizer, texts), vocabulary),
+            decode=decode,
+            keep=lambda document: not_blank(document) & in_train(document),
         )
-
-        def epoch(number):
-            documents = streams.interleaved_files(own, read, self.seed, number, self.cycle_length)
-            documents = split_documents(documents, "train", self.eval_fraction)
-            documents = streams.block_shuffle(documents, self.shuffle_buffer, self.seed, number)
-            return tokenized(documents, tokenizer, vocabulary)
-
-        return epoch
 
     def eval_tokens(self, vocabulary: Vocabulary) -> tf.data.Dataset:
         return tokenized(self.documents("eval"), tokenizer_for(vocabulary), vocabulary)
@@ -449,17 +477,23 @@ def _check_not_empty(documents: tf.data.Dataset, split: str, corpus) -> None:
 
 
 def packed_rows(
-    corpus: TokenSource, split: str, part: sharding.Share, start_step: int = 0
+    corpus: TokenSource,
+    split: str,
+    part: sharding.Share,
+    start_step: int = 0,
+    stream_positions: positions.StreamPositions | None = None,
 ) -> tuple[tf.data.Dataset, Vocabulary]:
     """This pipeline's packed rows ({"tokens", "segment_ids", "positions"}, each [T]) in the
     order of its replicas' batches, and the vocabulary.
 
-    "train" is endless, from global step `start_step`: the epochs of `corpus.train_epoch`, one
-    after the other, packed, cut
-    into the rows of each global step (this pipeline's own rows when it reads its own data,
-    else its share of the global rows). "eval" holds the split once, in order, packed into
-    global batches, the last one filled up with empty rows (all padding, so they weigh nothing),
-    and this pipeline's share of each.
+    "train" is endless, from global step `start_step`: the documents of epoch after epoch
+    (`_train_documents`), packed, cut into the rows of each global step (this pipeline's own
+    rows when it reads its own data, else its share of the global rows). With
+    `stream_positions` the pipeline records where each step's batch begins, and starts at the
+    saved position of `start_step` when the run was restored with one; else it reads its stream
+    up to `start_step`. "eval" holds the split once, in order, packed into global batches, the
+    last one filled up with empty rows (all padding, so they weigh nothing), and this
+    pipeline's share of each.
     """
     vocabulary = corpus.vocabulary()
     pad, length = vocabulary.pad, corpus.sequence_length
@@ -480,15 +514,135 @@ def packed_rows(
     if split != "train":
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     read_own = corpus.reads_own(part)
-    epoch = corpus.train_epoch(vocabulary, part, read_own)
-    _check_not_empty(epoch(tf.constant(0, tf.int64)), split, corpus)
+    stream = corpus.train_stream(vocabulary, part, read_own)
+    _check_not_empty(_kept_units(stream, tf.constant(0, tf.int64)), split, corpus)
     if corpus.log_stats:
         _log_stats(corpus, split, vocabulary)
-    documents = tf.data.Dataset.range(streams.ENDLESS).flat_map(epoch)
-    rows = packing.pack_dataset(documents, length, pad)
-    batches = rows.batch(part.rows if read_own else part.global_batch, drop_remainder=True)
-    batches = batches.skip(start_step)
+    saved = _saved_position(stream_positions, part, start_step)
+    start = tuple(int(x) for x in saved[:_ROW]) if saved is not None else (0, 0, 0, 0)
+    rows = _positioned_rows(_train_documents(stream, corpus, *start), length, pad)
+    batches = rows.skip(int(saved[_ROW]) if saved is not None else 0)
+    batches = batches.batch(part.rows if read_own else part.global_batch, drop_remainder=True)
+    if saved is None:
+        batches = batches.skip(start_step)
+
+    def noted(step, batch):
+        rows = {key: value for key, value in batch.items() if key != "position"}
+        if stream_positions is None:
+            return rows
+        with tf.control_dependencies([stream_positions.record(step, batch["position"][0])]):
+            return tf.nest.map_structure(tf.identity, rows)
+
+    batches = batches.enumerate(start_step).map(noted)
     return (batches.unbatch() if read_own else _rows_of(batches, part)), vocabulary
+
+
+# A training row's position (`positions.StreamPositions`): where its packing window begins - the
+# epoch, the shuffle block, the block's first raw unit, the window's first document in the
+# permuted block - and the row's index among the window's rows.
+_EPOCH, _BLOCK, _RAW, _DOCUMENT, _ROW = range(5)
+_DECODE_BATCH, _WINDOW = 64, 256
+
+
+def _saved_position(
+    stream_positions: positions.StreamPositions | None, part: sharding.Share, start_step: int
+) -> np.ndarray | None:
+    """Where this pipeline's stream resumes, if it can seek; logs how it resumes."""
+    if start_step == 0:
+        return None
+    saved = None
+    if stream_positions is not None:
+        saved = stream_positions.saved_position(part.pipeline, part.pipelines, start_step)
+    if saved is None:
+        why = (
+            "its pipelines run on other hosts than the trainer"
+            if stream_positions is None
+            else "the checkpoint holds none for this step and number of input pipelines"
+        )
+        logging.info(
+            "reading the training stream up to step %d (%s): the rows before it are read, "
+            "tokenized, packed and dropped",
+            start_step,
+            why,
+        )
+        return None
+    logging.info(
+        "pipeline %d resumes its training stream at step %d where it stopped (epoch %d, "
+        "shuffle block %d, raw unit %d)",
+        *(part.pipeline, start_step, saved[_EPOCH], saved[_BLOCK], saved[_RAW]),
+    )
+    return saved
+
+
+def _kept_units(stream: TrainStream, epoch: tf.Tensor, raw_start: int = 0) -> tf.data.Dataset:
+    """(raw index, document) of the epoch's documents that are trained on, from raw unit
+    `raw_start`: the units before it are read past, not decoded."""
+    units = stream.raw(epoch).skip(raw_start).enumerate(raw_start)
+    if stream.decode is not None:
+        units = units.batch(_DECODE_BATCH).map(
+            lambda index, batch: (index, stream.decode(*tf.nest.flatten(batch))),
+            num_parallel_calls=tf.data.AUTOTUNE,
+            deterministic=True,
+        )
+        units = units.unbatch()
+    if stream.keep is not None:
+        units = units.filter(lambda index, document: stream.keep(document))
+    return units
+
+
+def _epoch_documents(
+    stream: TrainStream, corpus: TokenSource, epoch: tf.Tensor, block: int = 0, raw_start: int = 0
+) -> tf.data.Dataset:
+    """(position [epoch, block, its first raw unit, index in the block], document) of an epoch
+    from shuffle block `block` (which begins at raw unit `raw_start`): blocks of
+    `shuffle_buffer` documents, each in the permutation of `streams.block_order`."""
+    epoch = tf.cast(epoch, tf.int64)
+
+    def permute(index, batch):
+        raw, documents = batch
+        size = tf.shape(raw, out_type=tf.int64)[0]
+        order = streams.block_order(size, corpus.seed, epoch, index)
+        where = tf.stack(
+            [tf.fill([size], epoch), tf.fill([size], index), tf.fill([size], raw[0])], 1
+        )
+        where = tf.concat([where, tf.range(size)[:, None]], 1)
+        return where, tf.gather(documents, order)
+
+    units = _kept_units(stream, epoch, raw_start).batch(corpus.shuffle_buffer)
+    return units.enumerate(block).map(permute).unbatch()
+
+
+def _train_documents(
+    stream: TrainStream, corpus: TokenSource, epoch: int, block: int, raw: int, document: int
+) -> tf.data.Dataset:
+    """(position, token vector) of the endless training documents, epoch after epoch, from
+    document `document` of shuffle block `block` (beginning at raw unit `raw`) of `epoch`."""
+    first = _epoch_documents(stream, corpus, tf.constant(epoch, tf.int64), block, raw)
+    later = tf.data.Dataset.range(epoch + 1, streams.ENDLESS).flat_map(
+        lambda number: _epoch_documents(stream, corpus, number)
+    )
+    documents = first.skip(document).concatenate(later).batch(_WINDOW)
+    encoded = documents.map(
+        lambda where, texts: (where, stream.encode(texts)),
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=True,
+    )
+    return encoded.unbatch()
+
+
+def _positioned_rows(documents: tf.data.Dataset, length: int, pad: int) -> tf.data.Dataset:
+    """Packed rows of `_WINDOW` documents at a time (`packing.pack`), each with its position:
+    its window's first document's and its index among the window's rows."""
+
+    def pack(where, tokens):
+        rows = packing.pack(tokens, length, pad)
+        count = tf.shape(rows["tokens"], out_type=tf.int64)[0]
+        first = tf.tile(where[:1], [count, 1])
+        rows["position"] = tf.concat([first, tf.range(count)[:, None]], 1)
+        return rows
+
+    windows = documents.ragged_batch(_WINDOW)
+    return windows.map(pack, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
 
 
 def _rows_of(batches: tf.data.Dataset, part: sharding.Share) -> tf.data.Dataset:
@@ -619,15 +773,17 @@ def text_lm(
     global_batch_size: int,
     start_step: int = 0,
     corpus: TokenSource,
+    stream_positions: positions.StreamPositions | None = None,
 ) -> tf.data.Dataset:
     """Next-token batches ({"tokens", "segment_ids", "positions"}, targets, weights), each [B, T].
 
     A data set function (`sharding.DatasetFn`) over any `TokenSource`: each input pipeline
-    serves its replicas' rows of every global batch.
+    serves its replicas' rows of every global batch. With `stream_positions` (the trainer's),
+    a resumed run starts reading where it stopped (`packed_rows`).
     """
     _check_split(split)
     part = sharding.share(global_batch_size, input_context)
-    rows, _ = packed_rows(corpus, split, part, start_step)
+    rows, _ = packed_rows(corpus, split, part, start_step, stream_positions)
     dataset = rows.batch(part.per_replica, drop_remainder=True)
     return dataset.map(lm_example, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
 
@@ -640,6 +796,7 @@ def text_mlm(
     start_step: int = 0,
     corpus: TokenSource,
     mask_rate: float = 0.15,
+    stream_positions: positions.StreamPositions | None = None,
 ) -> tf.data.Dataset:
     """Masked-LM batches ({"tokens", "segment_ids", "positions", "masked_positions"}, labels,
     weights): tokens [B, T], the rest [B, P] (see `mlm_example`). Arguments as in `text_lm`.
@@ -647,7 +804,7 @@ def text_mlm(
     _check_split(split)
     checks.number("text_mlm.mask_rate", mask_rate, maximum=1.0)
     part = sharding.share(global_batch_size, input_context)
-    rows, vocabulary = packed_rows(corpus, split, part, start_step)
+    rows, vocabulary = packed_rows(corpus, split, part, start_step, stream_positions)
     if vocabulary.mask is None:
         raise ValueError(
             "masked LM needs a [MASK] token: set TokenRecords.mask_id to its id in the vocabulary"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 
 import tensorflow as tf
 
@@ -100,19 +99,17 @@ class TfdsText:
     def reads_own(self, part: sharding.Share) -> bool:
         return streams.reads_own("TfdsText.sharding", self.sharding, auto=part.pipelines > 1)
 
-    def train_epoch(
+    def train_stream(
         self, vocabulary: text.Vocabulary, part: sharding.Share, read_own: bool
-    ) -> Callable[[tf.Tensor], tf.data.Dataset]:
+    ) -> text.TrainStream:
         split = self.train_split
         if read_own and part.pipelines > 1:
             split = tfds_lib.import_tfds().even_splits(split, n=part.pipelines)[part.pipeline]
         texts, tokenizer = self._texts(split), text.tokenizer_for(vocabulary)
-
-        def epoch(number):
-            shuffled = streams.block_shuffle(texts, self.shuffle_buffer, self.seed, number)
-            return text.tokenized(shuffled, tokenizer, vocabulary)
-
-        return epoch
+        return text.TrainStream(
+            raw=lambda number: texts,  # the epoch's order: its shuffle blocks
+            encode=lambda batch: text.with_markers(text.tokenize(tokenizer, batch), vocabulary),
+        )
 
     def eval_tokens(self, vocabulary: text.Vocabulary) -> tf.data.Dataset:
         return text.tokenized(

@@ -10,7 +10,6 @@ the rest is `text.py`'s pipeline: packing, batches, eval padding.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import tensorflow as tf
 from google.protobuf.message import DecodeError
@@ -158,21 +157,18 @@ class TokenRecords:
             "TokenRecords.sharding", self.sharding, len(self._files("train")), part
         )
 
-    def train_epoch(
+    def train_stream(
         self, vocabulary: text.Vocabulary, part: sharding.Share, read_own: bool
-    ) -> Callable[[tf.Tensor], tf.data.Dataset]:
+    ) -> text.TrainStream:
         files = self._files("train")
         self._check_records(files, vocabulary.size)
         own = files[part.pipeline :: part.pipelines] if read_own else files
-
-        def epoch(number):
-            records = streams.interleaved_files(
+        return text.TrainStream(
+            raw=lambda number: streams.interleaved_files(
                 own, tf.data.TFRecordDataset, self.seed, number, self.cycle_length
-            )
-            records = streams.block_shuffle(records, self.shuffle_buffer, self.seed, number)
-            return self._tokens(records, files, vocabulary)
-
-        return epoch
+            ),
+            encode=self._parse(files, vocabulary),
+        )
 
     def eval_tokens(self, vocabulary: text.Vocabulary) -> tf.data.Dataset:
         files = self._files("eval")
