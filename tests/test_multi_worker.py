@@ -6,12 +6,14 @@ there, and the run equals the same global batches on one
 device (one run through three clusters: each cluster start costs two TensorFlow processes). The
 workers' servers cannot be reached from outside the cluster (for root and for an unprivileged
 user), a launcher that cannot ensure that refuses to start, and a SIGKILLed launcher takes its
-workers with it. Workers that restore different checkpoints stop with one line.
+workers with it. Workers that restore different checkpoints stop with one line. The workers of a
+language-model run, each reading its own file, resume their streams where they stopped.
 """
 
 import ipaddress
 import json
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 import pytest
 import tensorflow as tf
 
+from framework.data import text
 from framework.trainer import Trainer
 from launch import local_cluster
 from tests import tiny
@@ -34,8 +37,11 @@ pytestmark = pytest.mark.slow  # subprocesses: the full tier only
 TINY_FLAGS = [*tiny.GIN_FLAGS, "--gin.Trainer.remat_policy='dots_saveable'"]
 
 
-def start_cluster(model_dir, *flags: str, prefix: Sequence[str] = ()) -> subprocess.Popen:
-    """The launcher with 2 tiny workers; `prefix` is a command that runs it (unshare ...).
+def start_cluster(
+    model_dir, *flags: str, prefix: Sequence[str] = (), run: Sequence[str] = TINY_FLAGS
+) -> subprocess.Popen:
+    """The launcher with 2 workers of the `run` (the tiny ViT); `prefix` is a command that runs
+    it (unshare ...).
 
     Started as a user starts it from the directory that holds model_dir, with a relative
     --model_dir, which must mean that directory (not the checkout's).
@@ -48,7 +54,7 @@ def start_cluster(model_dir, *flags: str, prefix: Sequence[str] = ()) -> subproc
             "--num_workers=2",
             "--grace_seconds=5",
             "--",
-            *TINY_FLAGS,
+            *run,
             f"--model_dir={model_dir.name}",
             "--mode=train",
             *flags,
@@ -301,3 +307,33 @@ def test_workers_that_restore_different_checkpoints_stop_with_one_line(tmp_path)
         assert "(worker 0: ckpt-5, worker 1: ckpt-10)" in errors[0]
     after = {path.name: path.read_bytes() for path in (chief_dir / "checkpoints").iterdir()}
     assert after == before  # nothing trained on, nothing saved
+
+
+def test_text_workers_resume_their_streams_where_they_stopped(tmp_path):
+    """A decoder LM on two files, one per worker ('read_own'): restarted, each worker's pipeline
+    seeks the position of its own stream that the chief's checkpoint holds for both."""
+    paragraphs = pathlib.Path(text.SAMPLE_CORPUS).read_text().split("\n\n")
+    for index, part in enumerate((paragraphs[::2], paragraphs[1::2])):
+        (tmp_path / f"part{index}.txt").write_text("\n\n".join(part))
+    corpus = dict(files=str(tmp_path / "part*.txt"), vocab_path=str(tmp_path / "vocab.txt"))
+    text.TextCorpus(**corpus, vocab_size=256).vocab()  # learned once, not by both workers
+    run = [
+        "--gin_file=lm_quickstart.gin",
+        *(f"--gin.data.TextCorpus.{name}='{value}'" for name, value in corpus.items()),
+        "--gin.VOCAB_SIZE=256",
+        "--gin.SEQUENCE_LENGTH=32",
+        "--gin.Trainer.global_batch_size=4",
+        "--gin.Trainer.steps_per_loop=2",
+        "--gin.Trainer.warmup_steps=1",
+        "--gin.Trainer.eval_every=None",
+    ]
+    model_dir = tmp_path / "lm"
+    for steps in (4, 6):
+        cluster = start_cluster(model_dir, f"--gin.Trainer.train_steps={steps}", run=run)
+        output = cluster.communicate(timeout=300)[0]
+        assert cluster.returncode == 0, output[-3000:]
+    assert "restored step 4" in output
+    for pipeline in (0, 1):
+        said = rf"\[worker {pipeline}\] .*pipeline {pipeline} resumes its training stream at step 4"
+        assert re.search(said, output), output[-3000:]
+    assert "reading the training stream" not in output
