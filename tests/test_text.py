@@ -1,6 +1,7 @@
 """The text pipeline: tokenizer round trip, packing, LM and MLM examples, splits, bad input."""
 
 import dataclasses
+import json
 import math
 
 import numpy as np
@@ -240,10 +241,27 @@ def test_json_lines_field(tmp_path):
         text.read_documents(str(path), json_field="text")
 
 
-def test_resumed_stream_seeks_to_its_saved_position(corpus, caplog):
+def _json_lines_corpus(root, corpus: text.TextCorpus) -> text.TextCorpus:
+    """The fixture's paragraphs as JSON lines (blank lines between some), in two files."""
+    for name, seed in (("a", 0), ("b", 1)):
+        lines = [
+            json.dumps({"text": p}) + ("\n" if i % 5 else "\n\n")
+            for i, p in enumerate(_paragraphs(60, seed))
+        ]
+        (root / f"{name}.jsonl").write_text("".join(lines))
+    return dataclasses.replace(
+        corpus, files=str(root / "*.jsonl"), json_field="text", vocab_path=str(root / "v.txt")
+    )
+
+
+@pytest.mark.parametrize("layout", ["paragraphs", "json_lines"])
+def test_resumed_stream_seeks_to_its_saved_position(corpus, layout, tmp_path, caplog):
     """Started from the position its pipeline recorded for step s, a stream makes the batches
     the uninterrupted one makes from s on - within a shuffle block, across blocks, in the next
-    epoch - and says that it seeks; without a position for s it reads up to s, to the same rows."""
+    epoch - and says that it seeks; without a position for s it reads up to s, to the same rows.
+    JSON lines are read past undecoded, and decoded after the seek."""
+    if layout == "json_lines":
+        corpus = _json_lines_corpus(tmp_path, corpus)
     small = dataclasses.replace(corpus, shuffle_buffer=7)
     log = positions.StreamPositions()
     whole = [
