@@ -35,6 +35,7 @@ directories; what only a real TPU can show is listed in docs/launch.md.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import re
@@ -79,6 +80,7 @@ SINGLE_HOST_MAX = 8
 # Remote paths: everything the launcher writes on a worker lives in this one directory, marked
 # as its own so that `setup` never replaces a directory it did not make.
 REMOTE_DIR = "$HOME/framework-tpu"
+USER_CONFIGS = "user_configs"  # the user's own gin files, in the VM's checkout
 MARKER = ".made-by-launch-tpu_pod"
 WORKER_NUMBER_URL = (
     "http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number"
@@ -450,8 +452,11 @@ def libtpu_service_script(flags: Sequence[str]) -> str:
     )
 
 
-def start_script(train_args: Sequence[str], environment: dict[str, str]) -> str:
-    """Starts `python3 -m framework.train` detached on this worker and returns at once.
+def start_script(
+    train_args: Sequence[str], environment: dict[str, str], files: dict[str, str] | None = None
+) -> str:
+    """Starts `python3 -m framework.train` detached on this worker and returns at once, after
+    writing `files` (path in the checkout: text) there.
 
     `setsid nohup` puts training in a session of its own with no terminal, so a dropped ssh
     connection does not end it; its pid (the Python process itself, so `stop` signals the
@@ -459,9 +464,15 @@ def start_script(train_args: Sequence[str], environment: dict[str, str]) -> str:
     """
     train = shlex.join(["python3", "-m", "framework.train", *train_args])
     exports = " ".join(f"{name}={shlex.quote(value)}" for name, value in environment.items())
+    writes = [
+        f'mkdir -p "$D/src/{USER_CONFIGS}"; printf %s {base64.b64encode(text.encode()).decode()} '
+        f'| base64 -d > "$D/src/{path}"'
+        for path, text in (files or {}).items()
+    ]
     return _script(
         _refuse('[ ! -d "$D/src" ]', "the project is not installed on this TPU VM: run `setup`"),
         _refuse(TRAINING_ALIVE, "training is already running on this TPU: `stop` it first"),
+        *writes,
         'rm -f "$D/train.pid" "$D/train.exit" "$D/train.stop"',
         f'export FRAMEWORK_TPU_DIR="$D" {exports}',
         f"{{ setsid nohup bash -c {shlex.quote(DETACHED)} train {train} "
@@ -693,7 +704,48 @@ def training_command(
 
 def start_training(args: argparse.Namespace, runner: Runner) -> None:
     train_args, environment = training_command(args, accelerator_type(args, runner))
-    runner.run(ssh(args, "0", start_script(train_args, environment)))
+    train_args, files = shipped_gin_files(train_args)
+    runner.run(ssh(args, "0", start_script(train_args, environment, files)))
+
+
+def _flag_values(train_args: Sequence[str], flag: str) -> list[tuple[int, str]]:
+    """(index of the value, value) of each `--flag=X` or `--flag X` among the training flags."""
+    found = []
+    for i, arg in enumerate(train_args):
+        if arg.startswith(f"--{flag}="):
+            found.append((i, arg.split("=", 1)[1]))
+        elif arg == f"--{flag}" and i + 1 < len(train_args):
+            found.append((i + 1, train_args[i + 1]))
+    return found
+
+
+def shipped_gin_files(train_args: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """The training flags with each --gin_file that names a file on this machine pointed at the
+    copy the start script writes into the VM's checkout, and those copies' contents by path.
+
+    The VM has the committed tree only (`setup`), so a user's own config would not be found
+    there, or another file of the same name would be. A name that is no file here is one of the
+    package's configs (`framework/configs/`), read on the VM. `include` lines inside a shipped
+    file must name the package's configs too.
+    """
+    flags, files = list(train_args), {}
+    for i, name in _flag_values(train_args, "gin_file"):
+        if not Path(name).is_file():
+            continue
+        copy = f"{USER_CONFIGS}/{len(files)}-{Path(name).name}"
+        files[copy] = Path(name).read_text()
+        flags[i] = f"--gin_file={copy}" if flags[i].startswith("--gin_file=") else copy
+    return flags, files
+
+
+def unknown_gin_files(train_args: Sequence[str]) -> list[str]:
+    """The --gin_file values that are neither a file here nor one of the package's configs."""
+    configs = PROJECT_DIR / "framework" / "configs"
+    return [
+        name
+        for _, name in _flag_values(train_args, "gin_file")
+        if not Path(name).is_file() and not (configs / name).is_file()
+    ]
 
 
 def require_ready(args: argparse.Namespace, runner: Runner) -> None:
@@ -883,14 +935,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _model_dir(train_args: Sequence[str]) -> str | None:
-    """The last --model_dir among the training flags (`--model_dir=X` or `--model_dir X`)."""
-    found = None
-    for i, arg in enumerate(train_args):
-        if arg.startswith("--model_dir="):
-            found = arg.split("=", 1)[1]
-        elif arg == "--model_dir" and i + 1 < len(train_args):
-            found = train_args[i + 1]
-    return found
+    """The last --model_dir among the training flags."""
+    values = _flag_values(train_args, "model_dir")
+    return values[-1][1] if values else None
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -908,6 +955,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             f"--model_dir={model_dir} is relative: the trainer runs on the TPU VM, where it would "
             "name a directory on the VM's disk (lost with the VM), not one under this directory; "
             "use gs://BUCKET/... (or an absolute path on the VM)"
+        )
+    unknown = unknown_gin_files(train_args)
+    if unknown:
+        parser.error(
+            f"--gin_file={unknown[0]} is neither a file here nor one of the package's configs "
+            "(framework/configs/): the launcher copies files from this machine to the TPU VM"
         )
     if args.subcommand != "versions" and not args.name:
         parser.error(f"`{args.subcommand}` needs --name")

@@ -347,6 +347,25 @@ def test_a_single_host_runs_locally_with_the_pjrt_plugin(cloud):
     assert call["env"]["TPU_NAME"] is None
 
 
+def test_a_users_own_gin_file_is_copied_to_the_vm(cloud, tmp_path):
+    """A config that exists only on the caller's machine reaches the VM, which has the committed
+    tree only; the package's configs are named as they are."""
+    own = tmp_path / "my experiment.gin"
+    own.write_text("Trainer.train_steps = 7\n# a 'quoted' $HOME line\n")
+    cloud.launch("create", *TPU, "--accelerator_type=v5litepod-8")
+    cloud.launch("setup", *TPU)
+    cloud.launch("run", *TPU, "--", "--gin_file=vit_b16.gin", "--gin_file", str(own), *FLAGS[3:])
+    cloud.wait_for_log("fake trainer: step")
+    (call,) = cloud.lines(0, "train-calls.jsonl")
+    assert call["argv"][:3] == [
+        "--gin_file=vit_b16.gin",
+        "--gin_file",
+        "user_configs/0-my experiment.gin",
+    ]
+    copy = cloud.worker(0) / "framework-tpu" / "src" / "user_configs" / "0-my experiment.gin"
+    assert copy.read_text() == own.read_text()
+
+
 def test_a_detached_run_is_followed_stopped_with_sigterm_and_reported(cloud):
     started(cloud, "v4-8")
     status = cloud.launch("status", *TPU).stdout
@@ -458,6 +477,7 @@ def test_a_failing_step_stops_the_launcher_with_its_status(tmp_path):
         (["resume", *TPU, "--accelerator_type=v4-8"], "no recorded run"),
         (["run", *TPU, "--", "--model_dir=runs/x"], "--model_dir=runs/x is relative"),
         (["run", *TPU, "--", "--model_dir", "runs/x"], "--model_dir=runs/x is relative"),
+        (["run", *TPU, "--", "--gin_file=mine.gin"], "--gin_file=mine.gin is neither a file here"),
     ],
 )
 def test_bad_usage(cloud, args, message):
