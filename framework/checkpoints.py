@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from framework import files
+from framework import files, tf_internals
 
 PREFIX = "ckpt"  # tf.train.CheckpointManager's default checkpoint_name
 INDEX_FILE = "checkpoint"  # the index of the checkpoints TensorFlow keeps in the directory
@@ -52,6 +52,13 @@ class Listing:
 def step_of(prefix: str) -> int:
     """The step number N of a checkpoint prefix `.../ckpt-N`."""
     return int(prefix.rsplit("-", 1)[1])
+
+
+def reader(prefix: str) -> tf_internals.CheckpointReader:
+    """A reader of the checkpoint at `prefix` itself. (`tf.train.load_checkpoint` takes a path
+    that lists as a directory for that directory's newest checkpoint, and on `ram://` and some
+    object stores a prefix lists as a directory of its files.)"""
+    return tf.compat.v1.train.NewCheckpointReader(prefix)
 
 
 def list_checkpoints(directory: str) -> Listing:

@@ -29,7 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from framework import checkpoints, distribute, run_lock
+from framework import checkpoints, distribute, run_lock, tf_internals
 from framework.errors import PreemptedError, TrainerError
 
 
@@ -152,17 +152,16 @@ class RunState:
         ).expect_partial()
         if not self.is_finite():
             raise ValueError("it holds non-finite values (saved by a diverged run)")
-        self._restore_random_state(prefix)
+        saved = checkpoints.reader(prefix)
+        self._restore_random_state(prefix, saved)
         # Read, not assigned: its shape is the saving run's number of pipelines.
-        reader = tf.compat.v1.train.NewCheckpointReader(prefix)
         key = "data_position/.ATTRIBUTES/VARIABLE_VALUE"
-        has = key in reader.get_variable_to_shape_map()
-        self.saved_data_position = reader.get_tensor(key) if has else None
+        has = key in saved.get_variable_to_shape_map()
+        self.saved_data_position = saved.get_tensor(key) if has else None
 
-    def _restore_random_state(self, prefix: str) -> None:
+    def _restore_random_state(self, prefix: str, reader: tf_internals.CheckpointReader) -> None:
         """Restores the random state, saying why the run goes on other than the uninterrupted
         one would have, if it does."""
-        reader = tf.compat.v1.train.NewCheckpointReader(prefix)  # (a prefix, not a directory)
         names = reader.get_variable_to_shape_map()
         saved = sum(name.startswith("random_state/") for name in names)
         tf.train.Checkpoint(random_state=self.random_state).restore(prefix).expect_partial()
@@ -250,7 +249,7 @@ class RunState:
         written before finite checks existed may not be)."""
         for path in reversed(checkpoints.list_checkpoints(self.directory).committed):
             try:
-                reader = tf.compat.v1.train.NewCheckpointReader(path)
+                reader = checkpoints.reader(path)
                 values = (reader.get_tensor(name) for name in reader.get_variable_to_shape_map())
                 if all(
                     np.isfinite(v).all()

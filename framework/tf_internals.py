@@ -34,6 +34,7 @@ from tensorflow.core.protobuf import trackable_object_graph_pb2 as trackable_obj
 from tensorflow.python.eager import context, record
 from tensorflow.python.framework import op_callbacks
 from tensorflow.python.ops import control_flow_v2_func_graphs
+from tensorflow.python.training.py_checkpoint_reader import CheckpointReader as CheckpointReader
 from tensorflow.tsl.profiler.protobuf import xplane_pb2 as xplane_pb2
 
 # Releases (major.minor) the test suite passed on; 2.20 is the newest TPU build (`tensorflow-tpu`).

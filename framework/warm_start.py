@@ -142,7 +142,7 @@ def warm_start(model: keras.Model, source: str) -> WarmStart | vit_weights.Impor
 def _warm_start(model: keras.Model, source: str, scratch: str) -> WarmStart:
     own = tf.train.Checkpoint(model=model).write(scratch)
     ours = _model_keys(own)
-    reader, own_reader = tf.train.load_checkpoint(source), tf.train.load_checkpoint(own)
+    reader, own_reader = checkpoints.reader(source), checkpoints.reader(own)
     where = _keys_in(reader, list(ours))
     shapes = reader.get_variable_to_shape_map()
     theirs = {key: tuple(shapes[where[key]]) for key in ours if key in where}

@@ -7,6 +7,7 @@ import logging
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from framework import warm_start
 from framework.trainer import Trainer
@@ -61,9 +62,18 @@ def test_a_run_with_its_own_checkpoints_resumes_instead(pretrained, tmp_path, ca
     assert any("init_checkpoint not used" in r.getMessage() for r in caplog.records)
 
 
-def test_a_checkpoint_prefix_works_without_a_model_dir(pretrained):
+@pytest.mark.parametrize("where", ["local", "ram"])
+def test_a_checkpoint_prefix_works_without_a_model_dir(pretrained, where):
+    """Also where a prefix lists as a directory (`ram://`, some object stores), which
+    `tf.train.load_checkpoint` takes for a directory without checkpoints."""
     source, weights = pretrained
-    run = finetune(None, source / "checkpoints" / "ckpt-5")
+    prefix = source / "checkpoints" / "ckpt-5"
+    if where == "ram":
+        for path in tf.io.gfile.glob(f"{prefix}.*"):
+            tf.io.gfile.copy(path, f"ram://warm_start/ckpt-5{path[len(str(prefix)) :]}", True)
+        prefix = "ram://warm_start/ckpt-5"
+        assert tf.io.gfile.isdir(prefix)
+    run = finetune(None, prefix)
     for variable, before in zip(run.model.weights, weights, strict=True):
         np.testing.assert_array_equal(variable.numpy(), before)
 

@@ -26,11 +26,11 @@ batch begins (`positions.StreamPositions`: the epoch, the shuffle block, the raw
 begins at, the packing window's first document, the row in the window), the trainer saves it
 with each checkpoint, and a resumed pipeline seeks there: it reads past the raw lines (or
 records) before the block undecoded, and decodes, tokenizes and packs from the block's start.
-Without a saved position (a checkpoint from before positions, another number of pipelines, a
-TPU pod whose pipelines run on other hosts, a direct call), the rows before `s` are read,
-tokenized, packed and dropped. `sharding` chooses how pipelines (one per host) share the data: 'read_all'
-builds one global stream in every pipeline and keeps its rows of each batch (the same stream
-for any number of hosts); 'read_own' gives pipeline i of P every P-th file (or the i-th TFDS
+Without a saved position (a checkpoint from before positions, another number of pipelines, a TPU
+pod whose pipelines run on other hosts, a direct call), the rows before `s` are read, tokenized,
+packed and dropped. `sharding` chooses how pipelines (one per host) share the data: 'read_all'
+builds one global stream in every pipeline and keeps its rows of each batch (the same stream for
+any number of hosts); 'read_own' gives pipeline i of P every P-th file (or the i-th TFDS
 sub-split), so each host reads 1/P of the data, and its stream depends on P; 'auto' reads own
 files when there are at least as many as pipelines. Eval is read whole by every pipeline, so
 each example counts once and every replica runs the same steps.
