@@ -49,9 +49,10 @@ class RunState:
     and `data_position` in `model_dir`.
 
     `is_finite()` says whether the state in memory is finite; a restored checkpoint must be.
-    `data_position`: [pipelines, ...] int64, the input streams' positions at the current step,
-    kept up to date by the trainer; `saved_data_position` is the restored checkpoint's (None
-    when it holds none).
+    `set_data_position` keeps the input streams' positions at the current step ([pipelines,
+    ...] int64, from the trainer); `saved_data_position` is the restored checkpoint's (None when
+    it holds none). They are saved serialized, a scalar string: a checkpoint of 2 workers then
+    still restores in a run of 1 (TensorFlow's preemption handler restores every saved value).
     """
 
     def __init__(
@@ -65,10 +66,9 @@ class RunState:
         strategy: tf.distribute.Strategy,
         keep: int | None,
         lease_seconds: float,
-        data_position: tf.Variable,
     ):
         self.model, self.optimizer = model, optimizer
-        self.data_position = data_position
+        self._data_position = tf.Variable(b"", trainable=False, dtype=tf.string)
         self.saved_data_position: np.ndarray | None = None
         self.learning_rate_scale = learning_rate_scale
         self.is_finite = is_finite
@@ -95,7 +95,7 @@ class RunState:
                 learning_rate_scale=learning_rate_scale,
                 random_state=self.random_state,
                 replicas_in_sync=tf.Variable(self._replicas, trainable=False, dtype=tf.int64),
-                data_position=data_position,
+                data_position=self._data_position,
             ),
             self.directory if is_chief else tempfile.mkdtemp(prefix="ckpt-"),
             max_to_keep=keep,
@@ -113,6 +113,10 @@ class RunState:
     @property
     def step(self) -> int:
         return int(self.optimizer.iterations.numpy())
+
+    def set_data_position(self, rows: np.ndarray) -> None:
+        """The input streams' positions at the current step, for the next save."""
+        self._data_position.assign(tf.io.serialize_tensor(tf.constant(rows, tf.int64)))
 
     def restore(self, at_start: bool = False) -> str | None:
         """Restores the newest checkpoint that restores and is finite; returns it, or None
@@ -154,10 +158,9 @@ class RunState:
             raise ValueError("it holds non-finite values (saved by a diverged run)")
         saved = checkpoints.reader(prefix)
         self._restore_random_state(prefix, saved)
-        # Read, not assigned: its shape is the saving run's number of pipelines.
         key = "data_position/.ATTRIBUTES/VARIABLE_VALUE"
-        has = key in saved.get_variable_to_shape_map()
-        self.saved_data_position = saved.get_tensor(key) if has else None
+        value = saved.get_tensor(key) if key in saved.get_variable_to_shape_map() else b""
+        self.saved_data_position = tf.io.parse_tensor(value, tf.int64).numpy() if value else None
 
     def _restore_random_state(self, prefix: str, reader: tf_internals.CheckpointReader) -> None:
         """Restores the random state, saying why the run goes on other than the uninterrupted

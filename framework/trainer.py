@@ -96,11 +96,6 @@ class Trainer:
                 strategy=self.strategy,
                 keep=s.keep_checkpoints,
                 lease_seconds=s.lock_lease_seconds,
-                data_position=tf.Variable(
-                    np.full([distribute.worker_count(self.strategy), 1 + positions.WIDTH], -1),
-                    trainable=False,
-                    dtype=tf.int64,
-                ),
             )
         if s.init_checkpoint and not (self.run_state and self.run_state.restored):
             with self.strategy.scope():
@@ -165,7 +160,7 @@ class Trainer:
         row = self._stream_positions.of_step(self.step)
         workers = self.run_state.workers
         rows = row[None] if workers == 1 else distribute.gather_workers(self.strategy, row)
-        self.run_state.data_position.assign(rows)
+        self.run_state.set_data_position(rows)
 
     def run_steps(self, iterator, num_steps: int) -> np.ndarray:
         """Runs `num_steps` compiled train steps; returns the sums of `step.TRAIN_SUMS`. No

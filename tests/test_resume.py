@@ -123,8 +123,11 @@ def test_interrupted_and_resumed_runs_equal_the_uninterrupted_one_bit_for_bit(mo
         assert result[f"{case}/crash_restored"] == 4, result  # the save before the crash
         assert result[f"{case}/crash"] == 0.0, result
         # The text stream resumed from its saved position (step 4's), not by reading up to it.
-        [(step, *where)] = result[f"{case}/crash_position"]
-        assert step == 4 and (min(where[:5]) >= 0) == (model == "decoder"), result
+        if model == "decoder":
+            [(step, *where)] = result[f"{case}/crash_position"]
+            assert step == 4 and min(where[:5]) >= 0, result
+        else:  # image streams are addressed by the step: no position is saved
+            assert result[f"{case}/crash_position"] is None, result
         if sigterm:
             assert result[f"{case}/sigterm_error"] == "PreemptedError", result
             assert 6 < result[f"{case}/sigterm_restored"] < 12, result  # saved after SIGTERM
