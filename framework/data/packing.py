@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+WINDOW = 256  # documents packed together
+
 
 def _first_fit(chunk_lengths: tf.Tensor, length: int) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """Row, offset in the row and segment id (1, 2, ...) of each chunk, placing each chunk in the
@@ -73,7 +75,7 @@ def pack(documents: tf.RaggedTensor, length: int, pad_id: int = 0) -> dict[str, 
 
 
 def pack_dataset(
-    documents: tf.data.Dataset, length: int, pad_id: int = 0, window: int = 256
+    documents: tf.data.Dataset, length: int, pad_id: int = 0, window: int = WINDOW
 ) -> tf.data.Dataset:
     """Rows of `pack` from a dataset of token vectors, packing `window` documents at a time."""
     windows = documents.ragged_batch(window)

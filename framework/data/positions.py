@@ -13,8 +13,9 @@ multi-device prefetching keeps no state it can save), and the pipeline runs ahea
 step: `record` in the pipeline, `of_step` in the trainer.
 
 The log is a variable on this process's CPU, so it serves pipelines that run in the trainer's
-process: one device, a multi-GPU host, each worker of a multi-worker run, a single-host TPU. A
-TPU pod's client builds pipelines that run on other hosts; those resume by reading.
+process: one device, a multi-GPU host, each worker of a multi-worker run, a single-host TPU VM
+(whose client runs the pipeline; tested here on CPUs only). A TPU pod's client builds pipelines
+that run on other hosts; those resume by reading.
 """
 
 from __future__ import annotations

@@ -227,11 +227,15 @@ def tokenized(
     batch: int = 256,
 ) -> tf.data.Dataset:
     """Int32 token vectors [BOS] document [EOS], tokenizing `batch` documents at a time."""
-
-    def encode(texts):
-        return with_markers(tokenize(tokenizer, texts), vocabulary)
-
+    encode = encoder(tokenizer, vocabulary)
     return documents.batch(batch).map(encode, num_parallel_calls=tf.data.AUTOTUNE).unbatch()
+
+
+def encoder(
+    tokenizer: tf_text.FastWordpieceTokenizer, vocabulary: Vocabulary
+) -> Callable[[tf.Tensor], tf.RaggedTensor]:
+    """texts [n] -> their token vectors [BOS] ... [EOS] (ragged int32 [n, (tokens)])."""
+    return lambda texts: with_markers(tokenize(tokenizer, texts), vocabulary)
 
 
 def corpus_stats(tokens: tf.data.Dataset, vocab_size: int) -> dict[str, float]:
@@ -443,12 +447,12 @@ class TextCorpus:
         else:  # JSON lines: read past undecoded
             read = json_lines.raw_lines
             decode = functools.partial(json_lines.decode_field, field=self.json_field)
-        in_train, tokenizer = _in_split("train", self.eval_fraction), tokenizer_for(vocabulary)
+        in_train = _in_split("train", self.eval_fraction)
         return TrainStream(
             raw=lambda number: streams.interleaved_files(
                 own, read, self.seed, number, self.cycle_length
             ),
-            encode=lambda texts: with_markers(tokenize(tokenizer, texts), vocabulary),
+            encode=encoder(tokenizer_for(vocabulary), vocabulary),
             decode=decode,
             keep=lambda document: not_blank(document) & in_train(document),
         )
@@ -541,7 +545,7 @@ def packed_rows(
 # epoch, the shuffle block, the block's first raw unit, the window's first document in the
 # permuted block - and the row's index among the window's rows.
 _EPOCH, _BLOCK, _RAW, _DOCUMENT, _ROW = range(5)
-_DECODE_BATCH, _WINDOW = 64, 256
+_DECODE_BATCH = 64
 
 
 def _saved_position(
@@ -555,7 +559,7 @@ def _saved_position(
         saved = stream_positions.saved_position(part.pipeline, part.pipelines, start_step)
     if saved is None:
         why = (
-            "its pipelines run on other hosts than the trainer"
+            "no stream positions: a TPU pod's pipelines, which run on its hosts, or a direct call"
             if stream_positions is None
             else "the checkpoint holds none for this step and number of input pipelines"
         )
@@ -621,7 +625,7 @@ def _train_documents(
     later = tf.data.Dataset.range(epoch + 1, streams.ENDLESS).flat_map(
         lambda number: _epoch_documents(stream, corpus, number)
     )
-    documents = first.skip(document).concatenate(later).batch(_WINDOW)
+    documents = first.skip(document).concatenate(later).batch(packing.WINDOW)
     encoded = documents.map(
         lambda where, texts: (where, stream.encode(texts)),
         num_parallel_calls=tf.data.AUTOTUNE,
@@ -631,7 +635,7 @@ def _train_documents(
 
 
 def _positioned_rows(documents: tf.data.Dataset, length: int, pad: int) -> tf.data.Dataset:
-    """Packed rows of `_WINDOW` documents at a time (`packing.pack`), each with its position:
+    """Packed rows of `packing.WINDOW` documents at a time (`packing.pack`), each with its position:
     its window's first document's and its index among the window's rows."""
 
     def pack(where, tokens):
@@ -641,7 +645,7 @@ def _positioned_rows(documents: tf.data.Dataset, length: int, pad: int) -> tf.da
         rows["position"] = tf.concat([first, tf.range(count)[:, None]], 1)
         return rows
 
-    windows = documents.ragged_batch(_WINDOW)
+    windows = documents.ragged_batch(packing.WINDOW)
     return windows.map(pack, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
 
 

@@ -105,10 +105,10 @@ class TfdsText:
         split = self.train_split
         if read_own and part.pipelines > 1:
             split = tfds_lib.import_tfds().even_splits(split, n=part.pipelines)[part.pipeline]
-        texts, tokenizer = self._texts(split), text.tokenizer_for(vocabulary)
+        texts = self._texts(split)
         return text.TrainStream(
             raw=lambda number: texts,  # the epoch's order: its shuffle blocks
-            encode=lambda batch: text.with_markers(text.tokenize(tokenizer, batch), vocabulary),
+            encode=text.encoder(text.tokenizer_for(vocabulary), vocabulary),
         )
 
     def eval_tokens(self, vocabulary: text.Vocabulary) -> tf.data.Dataset:
