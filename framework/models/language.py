@@ -15,6 +15,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from framework.models.dropout import Dropout
 from framework.models.transformer import (
     TransformerBlock,
     add_blocks,
@@ -64,7 +65,7 @@ class _TextTransformer(keras.Model):
         self.position_embedding = keras.layers.Embedding(
             max_length, dim, embeddings_initializer=_INIT, name="position_embedding"
         )
-        self.embed_dropout = keras.layers.Dropout(dropout)
+        self.embed_dropout = Dropout(dropout)
         add_blocks(self, depth, num_heads, mlp_dim, dropout, scan=scan_layers)
         self.norm = keras.layers.LayerNormalization(epsilon=1e-6, dtype="float32", name="norm")
 

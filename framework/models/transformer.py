@@ -12,6 +12,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from framework.models.dropout import Dropout
 from framework.models.scan import ScannedBlocks, stack_weights, unstack_weights
 from framework.remat import checkpoint_name
 
@@ -37,7 +38,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.qkv.build(input_shape)
         self.out = keras.layers.Dense(dim, name="out")
         self.out.build(input_shape)
-        self.attention_dropout = keras.layers.Dropout(self.dropout_rate)
+        self.attention_dropout = Dropout(self.dropout_rate)
 
     def call(self, x, attention_mask=None, training=None):
         batch, length = ops.shape(x)[0], ops.shape(x)[1]
@@ -85,7 +86,7 @@ class Mlp(keras.layers.Layer):
         self.fc1.build(input_shape)
         self.fc2 = keras.layers.Dense(input_shape[-1], name="fc2")
         self.fc2.build((*input_shape[:-1], self.hidden_dim))
-        self.dropout = keras.layers.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
 
     def call(self, x, training=None):
         hidden = checkpoint_name(self.fc1(x), "mlp_in")
@@ -126,7 +127,7 @@ class TransformerBlock(keras.layers.Layer):
         self.norm2.build(input_shape)
         self.mlp = Mlp(self.mlp_dim, self.dropout_rate, self.approximate_gelu, name="mlp")
         self.mlp.build(input_shape)
-        self.dropout = keras.layers.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
 
     def call(self, x, attention_mask=None, training=None):
         h = ops.cast(self.norm1(x), x.dtype)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from framework.models.dropout import Dropout
 from framework.models.transformer import (
     TransformerBlock,
     add_blocks,
@@ -62,7 +63,7 @@ class VisionTransformer(keras.Model):
             initializer=keras.initializers.RandomNormal(stddev=0.02),
             name="positions",
         )
-        self.embed_dropout = keras.layers.Dropout(dropout)
+        self.embed_dropout = Dropout(dropout)
         add_blocks(
             self,
             depth,

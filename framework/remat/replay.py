@@ -53,6 +53,9 @@ _CALL_OPS = frozenset(
 )
 _NEVER_SAVED = frozenset({"ReadVariableOp", "VarHandleOp", "IdentityN"})
 _SEED_ARGS = frozenset({"seed", "key", "counter"})
+# Ops whose outputs depend on their inputs' shapes alone: constants as far as the values go (a
+# dropout mask drawn over `tf.shape(x)` is still computed from random bits and constants alone).
+_SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 
 
 class RematError(Exception):
@@ -442,7 +445,7 @@ class Region:
         self._mark_read([op.inputs[i] for i in read_inputs])
         if info.random:
             self._random.update(t.ref() for t in outputs)
-        elif op.inputs and all(self._is_constant(t) for t in op.inputs):
+        elif op.type in _SHAPE_OPS or (op.inputs and all(self._is_constant(t) for t in op.inputs)):
             self._constant.update(t.ref() for t in outputs)
         origin = f"checkpoint_name {info.name!r}" if info.name else f"{op.type} ({op.name})"
         entry = _Entry(info, site, origin, read=reads_outputs)
