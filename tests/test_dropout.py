@@ -183,3 +183,23 @@ def test_xla_stores_no_mask_without_remat():
     theirs = memory.compiled_bytes(_no_remat_step(_model(width, dropout=keras.layers.Dropout)), x)
     masks = 2 * batch * (4 * width + width)  # values of both blocks' two masks
     assert ours.temp_bytes <= theirs.temp_bytes - masks  # at least a byte per mask value
+
+
+@pytest.mark.parametrize(
+    "dropout, low, high", [(Dropout, 10, 60), (keras.layers.Dropout, 1000, 1010)]
+)
+def test_the_budget_prices_a_hashed_mask_at_its_few_operations(dropout, low, high):
+    """A mask hashed from two random words costs a few dozen FLOPs per value to recompute
+    (against 1000 for one compared from a full-size draw), so `budget:F` does not keep it in place
+    of a product that is dearer to recompute."""
+    block = _model(depth=1, dropout=dropout).layers[0]
+    masks = []
+
+    def spy(op: remat.OpInfo) -> bool:
+        if op.random and op.dtypes == (tf.bool,):
+            masks.append(op.random_flops)
+        return False
+
+    remat.checkpoint(block, spy)
+    remat.saved_residuals(lambda x: tf.reduce_sum(block(x, training=True)), tf.ones([8, 16]))
+    assert len(masks) == 2 and all(low <= f <= high for f in masks), masks

@@ -17,6 +17,18 @@ import tensorflow as tf
 
 DOT_OPS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"})
 
+# What recomputing a value costs, in FLOPs per value, where it is not a product. A FLOP here is
+# one of a matrix unit's, and vector work is slower per operation than that on every backend: a
+# random op's draw (Philox rounds, a conversion, ~50-100 vector operations) took 11 ns per value
+# on XLA:CPU here, as long as ~1200 FLOPs of a matrix product at the 108 GFLOP/s the same machine
+# reached; matrix units outrun vector units by 10-30x on GPUs and TPUs too. A value computed from
+# random bits costs its draw's share (`OpInfo.random_flops`): a mask compared from a full-size draw
+# about 1000, one hashed from a few random key words (`framework.models.Dropout`) a few dozen.
+# Other ops count one per value: XLA fuses them into the op that reads them, so recomputing them
+# costs about what reading them would.
+RANDOM_FLOPS_PER_VALUE = 1000
+ELEMENTWISE_FLOPS_PER_VALUE = 1
+
 
 @dataclasses.dataclass(frozen=True)
 class OpInfo:
@@ -29,6 +41,8 @@ class OpInfo:
     attrs: tuple = ()
     input_shapes: tuple[tuple[int | None, ...], ...] = ()
     random: bool = False  # computed from random bits and constants alone (a dropout keep mask)
+    # FLOPs per value of recomputing a random value: its draw and the ops after it
+    random_flops: float = RANDOM_FLOPS_PER_VALUE
 
     def attr(self, key: str):
         """Returns the attribute `key` (an `AttrValue` proto) or None."""
@@ -154,15 +168,6 @@ def save_any_names_but_these(*names: str) -> Policy:
     return policy
 
 
-# What recomputing a value costs, in FLOPs per value, where it is not a product. A FLOP here is
-# one of a matrix unit's, and vector work is slower per operation than that on every backend: the
-# draw of a random value (a dropout keep mask: counter-based hash rounds, a conversion and a
-# comparison, ~50-100 vector operations) took 11 ns per value on XLA:CPU here, as long as ~1200
-# FLOPs of a matrix product at the 108 GFLOP/s the same machine reached; matrix units outrun
-# vector units by 10-30x on GPUs and TPUs too. Other ops count one per value: XLA fuses them into
-# the op that reads them, so recomputing them costs about what reading them would.
-RANDOM_FLOPS_PER_VALUE = 1000
-ELEMENTWISE_FLOPS_PER_VALUE = 1
 # Ops that compute nothing (a new view of their input): keeping their output saves no work.
 LAYOUT_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Identity", "StopGradient"})
 
@@ -212,16 +217,16 @@ def _is_product(op: OpInfo) -> bool:
 
 def recompute_flops(op: OpInfo) -> int:
     """What recomputing `op` costs, roughly: 2 x values x contracted size for a matrix product or
-    convolution (exact), a random value's draw, one FLOP per value otherwise; nothing for a
-    layout op, and nothing for integer outputs (shapes and indices: cheap, and a kept shape would
-    hide its static value from the recomputation)."""
+    convolution (exact), a random mask's draw (`OpInfo.random_flops`), one FLOP per value
+    otherwise; nothing for a layout op, and nothing for integer outputs (shapes and indices:
+    cheap, and a kept shape would hide its static value from the recomputation)."""
     if op.op_type in LAYOUT_OPS or not all(d.is_floating or d == tf.bool for d in op.dtypes):
         return 0
     values = sum(_elements(shape) for shape in op.shapes)
     if _is_product(op):
         return 2 * values * _contracted(op)
     if random_masks_saveable(op):
-        return RANDOM_FLOPS_PER_VALUE * values
+        return round(op.random_flops * values)
     return ELEMENTWISE_FLOPS_PER_VALUE * values
 
 

@@ -36,7 +36,14 @@ from collections.abc import Iterator
 import tensorflow as tf
 
 from framework import tf_internals
-from framework.remat.policies import OpInfo, Policy, gradient_reads, policy_name
+from framework.remat.policies import (
+    ELEMENTWISE_FLOPS_PER_VALUE,
+    RANDOM_FLOPS_PER_VALUE,
+    OpInfo,
+    Policy,
+    gradient_reads,
+    policy_name,
+)
 
 _IGNORED_OPS = frozenset({"Placeholder", "Const", "NoOp"})
 _CALL_OPS = frozenset(
@@ -110,6 +117,11 @@ def _is_random_op(op_type: str) -> bool:
 
 def _shape(t: tf.Tensor) -> tuple[int | None, ...]:
     return tuple(t.shape.as_list()) if t.shape.rank is not None else ()
+
+
+def _values(t: tf.Tensor) -> int | None:
+    """The number of values of `t`, or None when its shape is not static."""
+    return t.shape.num_elements()
 
 
 def _describe(info: OpInfo) -> str:
@@ -288,7 +300,7 @@ class Region:
         self._mode: str | None = None
         self._cursor = 0
         self._dep: tf.Tensor | None = None
-        self._random: set = set()  # tensors computed from random bits and constants alone
+        self._random: dict = {}  # tensors from random bits and constants alone -> random_flops
         self._constant: set = set()  # tensors computed from constants alone
         self._producers: dict = {}  # recorded tensor -> its op's entry (`_Entry.read`)
 
@@ -312,7 +324,7 @@ class Region:
     def recording(self, dep: tf.Tensor) -> contextlib.AbstractContextManager:
         """Context in which the forward pass is traced; `dep` is a zero tied to the inputs."""
         self.entries = []
-        self._random, self._constant, self._producers = set(), set(), {}
+        self._random, self._constant, self._producers = {}, set(), {}
         return self._active("record", dep)
 
     def saved(self) -> list[tf.Tensor]:
@@ -399,6 +411,7 @@ class Region:
                 self._mark_read(op.inputs)
             return None
         is_random_op = _is_random_op(op.type)
+        random_flops = self._random_flops(op, outputs, is_random_op)
         info = OpInfo(
             op_type=op.type,
             shapes=tuple(_shape(t) for t in outputs),
@@ -406,7 +419,8 @@ class Region:
             name=tag,
             attrs=tuple(attrs) if attrs else (),
             input_shapes=tuple(_shape(t) for t in op.inputs),
-            random=is_random_op or self._from_random_bits(op.inputs),
+            random=random_flops is not None,
+            random_flops=RANDOM_FLOPS_PER_VALUE if random_flops is None else random_flops,
         )
         if is_random_op:
             self.tie_seeds(op)
@@ -421,14 +435,28 @@ class Region:
     def _is_constant(self, t: tf.Tensor) -> bool:
         return t.op.type == "Const" or t.ref() in self._constant
 
-    def _from_random_bits(self, inputs) -> bool:
-        """Whether an op's inputs are random values and constants only (at least one random)."""
-        if self._mode != "record":
-            return False
-        random = [t.ref() in self._random for t in inputs]
-        return any(random) and all(
-            r or self._is_constant(t) for r, t in zip(random, inputs, strict=True)
+    def _random_flops(self, op: tf.Operation, outputs, is_random_op: bool) -> float | None:
+        """What recomputing each output value of `op` costs if it is computed from random bits
+        and constants alone (at least one random input), else None: a random op's draw; after
+        it, one FLOP per op along the dearest input's path, an input's cost shared over the
+        output's values (a key of two words drawn for a hash over N values costs each of them
+        almost nothing). The dearest path, not the sum: inputs share their ancestors."""
+        if is_random_op:
+            return RANDOM_FLOPS_PER_VALUE
+        if self._mode != "record" or not outputs:
+            return None
+        random = [t.ref() in self._random for t in op.inputs]
+        if not any(random) or not all(
+            r or self._is_constant(t) for r, t in zip(random, op.inputs, strict=True)
+        ):
+            return None
+        values = _values(outputs[0])
+        dearest = max(
+            self._random[t.ref()] * (_values(t) / values if _values(t) and values else 1)
+            for r, t in zip(random, op.inputs, strict=True)
+            if r
         )
+        return ELEMENTWISE_FLOPS_PER_VALUE + dearest
 
     def _mark_read(self, tensors) -> None:
         for t in tensors:
@@ -444,7 +472,7 @@ class Region:
         read_inputs, reads_outputs = gradient_reads(op.type, len(op.inputs))
         self._mark_read([op.inputs[i] for i in read_inputs])
         if info.random:
-            self._random.update(t.ref() for t in outputs)
+            self._random.update((t.ref(), info.random_flops) for t in outputs)
         elif op.type in _SHAPE_OPS or (op.inputs and all(self._is_constant(t) for t in op.inputs)):
             self._constant.update(t.ref() for t in outputs)
         origin = f"checkpoint_name {info.name!r}" if info.name else f"{op.type} ({op.name})"
