@@ -8,6 +8,7 @@ import tensorflow as tf
 from framework import memory, remat
 from framework.models import Dropout
 from framework.models.dropout import keep_mask
+from tests.test_memory_tpu import _sgd_step
 
 SHAPE = [512, 512]
 
@@ -161,26 +162,13 @@ def test_random_masks_saveable_keeps_the_masks_as_bits():
     assert [r.dtype for r in rows if r.dtype in ("bool", "uint32")] == ["bool", "bool"]
 
 
-def _no_remat_step(model: keras.Model):
-    @tf.function(jit_compile=True)
-    def step(x):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(model(x, training=True) ** 2)
-        grads = tape.gradient(loss, model.trainable_variables)
-        for v, g in zip(model.trainable_variables, grads, strict=True):
-            v.assign_sub(0.01 * g)
-        return loss
-
-    return step
-
-
 def test_xla_stores_no_mask_without_remat():
     """XLA:CPU's plan of a step without remat: Keras' dropout keeps each mask until the backward
     pass, this one is recomputed where it is read."""
     batch, width = 1024, 64
     x = tf.TensorSpec([batch, width])
-    ours = memory.compiled_bytes(_no_remat_step(_model(width)), x)
-    theirs = memory.compiled_bytes(_no_remat_step(_model(width, dropout=keras.layers.Dropout)), x)
+    ours = memory.compiled_bytes(_sgd_step(_model(width)), x)
+    theirs = memory.compiled_bytes(_sgd_step(_model(width, dropout=keras.layers.Dropout)), x)
     masks = 2 * batch * (4 * width + width)  # values of both blocks' two masks
     assert ours.temp_bytes <= theirs.temp_bytes - masks  # at least a byte per mask value
 
