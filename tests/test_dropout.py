@@ -10,6 +10,9 @@ from framework.models import Dropout
 from framework.models.dropout import keep_mask
 from tests.test_memory_tpu import _sgd_step
 
+# Integer ops on uint32 need kernels of each TensorFlow release: the whole module runs on 2.20 too.
+pytestmark = pytest.mark.tf_compat
+
 SHAPE = [512, 512]
 
 
