@@ -121,6 +121,19 @@ def _gradients(model: keras.Model, x: tf.Tensor, mode: str) -> list[np.ndarray]:
     return [g.numpy() for g in grads(x)]
 
 
+def _counted(regions: list) -> list[int]:
+    """Counts the Python runs of the checkpointed regions: forward passes and recomputations."""
+    runs = [0]
+    for region in regions:
+
+        def counted(*args, _fn=region.call.fn, **kwargs):
+            runs[0] += 1
+            return _fn(*args, **kwargs)
+
+        region.call.fn = counted
+    return runs
+
+
 @pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
 @pytest.mark.parametrize("policy", ["nothing_saveable", "random_masks_saveable", "dots_saveable"])
 def test_remat_replays_the_masks(policy, mode):
@@ -130,21 +143,33 @@ def test_remat_replays_the_masks(policy, mode):
     want = _gradients(model, x, mode)
     regions = remat.set_grad_checkpointing(model, policy=policy)
     assert len(regions) == 2
-    runs = [0]
-    for region in regions:
-        fn = region.call.fn
-
-        def counted(*args, _fn=fn, **kwargs):
-            runs[0] += 1
-            return _fn(*args, **kwargs)
-
-        region.call.fn = counted
+    runs = _counted(regions)
     for variable, value in zip(model.variables, state, strict=True):
         variable.assign(value)
     got = _gradients(model, x, mode)
     assert runs[0] >= 4  # each block's forward pass and its recomputation
     for g, w in zip(got, want, strict=True):  # masks drawn anew: an error near 1
         assert np.linalg.norm(g - w) <= 1e-5 * np.linalg.norm(w)
+
+
+def test_fit_with_remat_ends_on_the_weights_of_fit_without():
+    x = np.random.default_rng(0).normal(size=(32, 16)).astype(np.float32)
+    y = np.random.default_rng(1).normal(size=(32, 16)).astype(np.float32)
+
+    def fitted(with_remat: bool) -> tuple[list[np.ndarray], int]:
+        model = _model()  # the same weights and seed states each time
+        runs = [0]
+        if with_remat:
+            runs = _counted(remat.set_grad_checkpointing(model, policy="nothing_saveable"))
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=True)
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        return [v.numpy() for v in model.variables], runs[0]
+
+    want, _ = fitted(False)
+    got, runs = fitted(True)
+    assert runs >= 4
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
 def test_random_masks_saveable_keeps_the_masks_as_bits():

@@ -90,10 +90,8 @@ class Dropout(keras.layers.Dropout):
     def _mask_shape(self, inputs: tf.Tensor) -> tf.TensorShape | tf.Tensor:
         """`noise_shape` with its None entries taken from `inputs` (static where known)."""
         static = inputs.shape
-        dims = [
-            static[i] if self.noise_shape is None or self.noise_shape[i] is None else n
-            for i, n in enumerate(self.noise_shape or [None] * static.rank)
-        ]
+        noise = self.noise_shape or [None] * static.rank
+        dims = [static[i] if n is None else n for i, n in enumerate(noise)]
         if all(d is not None for d in dims):
             return tf.TensorShape(dims)
         dynamic = tf.shape(inputs)
