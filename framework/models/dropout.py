@@ -47,6 +47,25 @@ def _values(shape: tf.TensorShape | tf.Tensor) -> int | tf.Tensor:
     return tf.reduce_prod(shape)
 
 
+def _offset_index(shape: tf.TensorShape | tf.Tensor, offset: tf.Tensor) -> tf.Tensor:
+    """`offset` (a uint32 scalar) plus each value's row-major position, built as the offset plus
+    one small range per axis times its stride. The ranges broadcast and XLA fuses them into the
+    mask's consumers; starting from the offset, which is known only when the step runs, keeps
+    XLA from folding the positions into a constant of the mask's size (4 bytes per value in
+    device memory, one per compiled computation that draws the mask)."""
+    dims = tf.unstack(tf.cast(shape, tf.int32)) if isinstance(shape, tf.Tensor) else list(shape)
+    rank = len(dims)
+    index = tf.reshape(offset, [1] * rank)
+    stride = tf.constant(1, tf.uint32)
+    for axis in reversed(range(rank)):
+        broadcast = [1] * rank
+        broadcast[axis] = -1
+        positions = tf.reshape(tf.range(dims[axis], dtype=tf.int32), broadcast)
+        index = index + tf.bitcast(positions, tf.uint32) * stride
+        stride = stride * tf.cast(dims[axis], tf.uint32)
+    return index
+
+
 def keep_mask(shape: tf.TensorShape | tf.Tensor, rate: float, seed: tf.Tensor) -> tf.Tensor:
     """A boolean mask of `shape`, each value True with probability 1 - `rate`.
 
@@ -64,8 +83,7 @@ def keep_mask(shape: tf.TensorShape | tf.Tensor, rate: float, seed: tf.Tensor) -
     key = tf.random.stateless_uniform(
         [2], seed=tf.cast(seed, tf.int64), minval=None, maxval=None, dtype=tf.uint32
     )
-    index = tf.bitcast(tf.reshape(tf.range(values, dtype=tf.int32), shape), tf.uint32)
-    bits = _mix(tf.bitwise.bitwise_xor(_mix(index + key[0]), key[1]))
+    bits = _mix(tf.bitwise.bitwise_xor(_mix(_offset_index(shape, key[0])), key[1]))
     threshold = min(round(rate * 2**32), 2**32 - 1)
     return bits >= tf.constant(threshold, tf.uint32)
 
