@@ -24,6 +24,7 @@ import os
 import sys
 import time
 
+import keras
 import tensorflow as tf
 from remat_policies import REPO_DIR, child_json, machine, median_step_times, write_report
 
@@ -48,8 +49,17 @@ def build(depth: int, scan: bool, quick: bool):
     )
 
 
-def train_step(model, learning_rate: float = 1e-4):
-    """Forward, backward and an SGD update, compiled by XLA."""
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def train_step(model, optimizer: str = "sgd", learning_rate: float = 1e-4):
+    """Forward, backward and an update, compiled by XLA: `sgd` updates each variable as soon as
+    its gradient exists; `adamw` is the trainer's update (gradients clipped by their global
+    norm, then AdamW), which needs every gradient before the first update."""
+    adamw = None
+    if optimizer == "adamw":
+        adamw = keras.optimizers.AdamW(learning_rate)
+        adamw.build(model.trainable_variables)
 
     @tf.function(jit_compile=True)
     def step(x, y):
@@ -57,6 +67,10 @@ def train_step(model, learning_rate: float = 1e-4):
             logits = model(x, training=True)
             loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
         grads = tape.gradient(loss, model.trainable_variables)
+        if adamw is not None:
+            grads, _ = tf.clip_by_global_norm(grads, 1.0)
+            adamw.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
         for variable, grad in zip(model.trainable_variables, grads):
             variable.assign_sub(learning_rate * grad)
         return loss
@@ -64,7 +78,7 @@ def train_step(model, learning_rate: float = 1e-4):
     return step
 
 
-def measure(depth: int, policy: str, steps: int, quick: bool) -> dict:
+def measure(depth: int, policy: str, steps: int, quick: bool, optimizer: str) -> dict:
     tf.function(lambda: tf.constant(1.0) + 1.0, jit_compile=True)()  # pay XLA's set-up once
     batch, size = (2, 32) if quick else (8, 224)
     x = tf.random.stateless_normal((batch, size, size, 3), seed=(1, 2))
@@ -76,7 +90,7 @@ def measure(depth: int, policy: str, steps: int, quick: bool) -> dict:
     step_fns = {}
     for name, model in (("unrolled", unrolled), ("scanned", scanned)):
         remat.set_grad_checkpointing(model, policy=policy)
-        step = train_step(model)
+        step = train_step(model, optimizer)
         start = time.perf_counter()
         step(x, y).numpy()
         result[f"{name}_first_s"] = time.perf_counter() - start
@@ -91,22 +105,26 @@ def measure(depth: int, policy: str, steps: int, quick: bool) -> dict:
     return result
 
 
-def run_child(depth: int, policy: str, steps: int, quick: bool) -> dict:
+def run_child(depth: int, policy: str, steps: int, quick: bool, optimizer: str) -> dict:
     """Runs `measure` in a fresh Python process."""
     args = [f"--child={depth}", f"--policy={policy}", f"--steps={steps}"]
+    args.append(f"--optimizer={optimizer}")
     return child_json(
         __file__, args + (["--quick"] if quick else []), {"depth": depth, "policy": policy}
     )
 
 
-def format_report(results: list[dict], command: str, started: datetime.datetime, quick) -> str:
+def format_report(
+    results: list[dict], command: str, started: datetime.datetime, quick, optimizer: str
+) -> str:
     mib = 2.0**20
     model = "tiny ViT (width 32)" if quick else "ViT-S/16 (width 384, 6 heads, MLP 1536)"
     lines = [
         f"Command: `{command}`",
         f"Date: {started:%Y-%m-%d %H:%M}, load average {os.getloadavg()[0]:.1f}",
         f"Machine: {machine()}",
-        f"Model: {model}, batch {2 if quick else 8}, dropout 0.1, SGD step under "
+        f"Model: {model}, batch {2 if quick else 8}, dropout 0.1, "
+        f"{'SGD' if optimizer == 'sgd' else 'global-norm clipping + AdamW'} step under "
         "`tf.function(jit_compile=True)`; remat policy as listed on every block / loop step. "
         "Compile: first call minus a steady step. Peak: allocator peak of a steady step beyond "
         "what was live before it. Each depth in a fresh process; step times in alternation.",
@@ -137,6 +155,13 @@ def main() -> None:
     )
     parser.add_argument("--policies", default="random_masks_saveable")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per layout")
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="sgd",
+        help="sgd: each variable updated as its gradient exists; adamw: the trainer's clipping "
+        "by global norm, then AdamW",
+    )
     parser.add_argument("--out", help="also write the report (markdown) to this file")
     parser.add_argument("--quick", action="store_true", help="tiny model, depths 2 and 4")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
@@ -145,7 +170,7 @@ def main() -> None:
     if args.steps < 1:
         parser.error("--steps must be at least 1")
     if args.child:
-        print(json.dumps(measure(args.child, args.policy, args.steps, args.quick)))
+        print(json.dumps(measure(args.child, args.policy, args.steps, args.quick, args.optimizer)))
         return
     default = (2, 4) if args.quick else DEPTHS
     depths = [int(d) for d in args.depths.split(",")] if args.depths else list(default)
@@ -154,10 +179,11 @@ def main() -> None:
     for policy in args.policies.split(","):
         remat.get_policy(policy)  # an unknown name fails here, not in a child
         for depth in depths:
-            results.append(run_child(depth, policy, args.steps, args.quick))
+            results.append(run_child(depth, policy, args.steps, args.quick, args.optimizer))
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     command = "python " + " ".join([os.path.relpath(__file__, REPO_DIR), *sys.argv[1:]])
-    write_report(format_report(results, command, started, args.quick), args.out)
+    report = format_report(results, command, started, args.quick, args.optimizer)
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

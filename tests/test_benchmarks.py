@@ -146,9 +146,12 @@ def test_profile_step_quick():
 
 def test_scan_layers_quick(tmp_path):
     out = tmp_path / "scan_layers.md"
-    run_benchmark("scan_layers.py", "--quick", f"--out={out}", "--steps=1", "--depths=2")
+    run_benchmark(
+        "scan_layers.py", "--quick", f"--out={out}", "--steps=1", "--depths=2", "--optimizer=adamw"
+    )
     report = out.read_text()
     assert report.startswith("Command: `python benchmarks/scan_layers.py --quick")
+    assert "global-norm clipping + AdamW" in report
     rows = [line for line in report.splitlines() if line.startswith("| 2 ")]
     assert len(rows) == 1, report
     for row in rows:

@@ -101,33 +101,28 @@ class ScannedBlocks(keras.layers.Layer):
 
     def call(self, x, training=None, **kwargs):
         trainable, non_trainable = self._ordered()
-        step = self._step
-        if self.remat_policy is not None:
-            step = remat.checkpoint(self._step, self.remat_policy)
-        stacks = [tf.convert_to_tensor(v) for v in trainable + non_trainable]
-        reads = [
-            tf.TensorArray(s.dtype, size=self.depth, element_shape=s.shape[1:]).unstack(s)
-            for s in stacks
-        ]
-        states = [
-            tf.TensorArray(s.dtype, size=self.depth, element_shape=s.shape[1:])
-            for s in stacks[len(trainable) :]
-        ]
+        flat = tf.nest.flatten(kwargs)
+        tensors = [k for k, v in enumerate(flat) if isinstance(v, tf.Tensor)]
 
-        def body(i, x, states):
-            slices = [r.read(i) for r in reads]
-            y, new_states = step(x, *slices, training=training, **kwargs)
-            y = tf.ensure_shape(tf.cast(y, x.dtype), x.shape)
-            return i + 1, y, [s.write(i, v) for s, v in zip(states, new_states)]
+        def step(h, slices, consts):
+            values = list(flat)
+            for k, c in zip(tensors, consts):
+                values[k] = c
+            y, new_states = self._step(
+                h, *slices, training=training, **tf.nest.pack_sequence_as(kwargs, values)
+            )
+            return tf.ensure_shape(tf.cast(y, h.dtype), h.shape), list(new_states)
 
-        _, x, states = tf.while_loop(
-            lambda i, x, states: i < self.depth,
-            body,
-            (tf.constant(0), x, states),
-            maximum_iterations=self.depth,
+        x, states = remat.scan(
+            step,
+            x,
+            [tf.convert_to_tensor(v) for v in trainable + non_trainable],
+            [flat[k] for k in tensors],
+            policy=self.remat_policy,
+            label=self.name,
         )
         for variable, state in zip(non_trainable, states):
-            variable.assign(state.stack())
+            variable.assign(state)
         return x
 
     def compute_output_shape(self, input_shape):

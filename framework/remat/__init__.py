@@ -30,6 +30,7 @@ from framework.remat.replay import (
     UnreplayableRandomOpError,
 )
 from framework.remat.residuals import Residual, print_saved_residuals, saved_residuals
+from framework.remat.scan import scan
 
 __all__ = [
     "OpInfo",
@@ -47,6 +48,7 @@ __all__ = [
     "policy_names",
     "print_saved_residuals",
     "saved_residuals",
+    "scan",
     "segments",
     "set_grad_checkpointing",
     "without_checkpoint_names",

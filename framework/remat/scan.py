@@ -1,0 +1,232 @@
+"""`scan(step, carry, xs, consts, policy)`: a loop over stacked slices whose every step is a
+checkpointed region, with a gradient of its own.
+
+A `tf.while_loop` gets TensorFlow's generic loop gradient: whatever the body's gradient reads is
+pushed onto a per-iteration accumulator, a stacked input the body slices is carried through the
+loop state, and its gradient is a full-size `[length, ...]` accumulator added to on every
+iteration. Under XLA that is about two extra copies of every stacked weight (a loop-state copy and
+the accumulator) beyond what the unrolled loop holds. Here, as in JAX's transpose of a scan:
+
+* the forward loop runs each step through one traced function (`replay.Region` records it and the
+  policy picks what it keeps) and writes, into one slot per step, the carry it started from and
+  the values the policy kept;
+* the backward loop runs in reverse: it rebuilds step i from its carry and kept values (the
+  region's replay, under a tape), and writes step i's gradients into slot i of one `[length, ...]`
+  buffer per stacked input (under XLA an in-place `dynamic-update-slice`); the gradients of the
+  per-step constants are summed over the steps.
+
+Each step reads its slices with `tf.gather` from the stacked tensors, which the loop only passes
+through, so nothing copies them. The steps' random ops draw from seeds passed in `xs` (e.g. the
+dropout seed states of stacked Keras layers), so the recomputation draws the forward pass's bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import tensorflow as tf
+
+from framework import tf_internals
+from framework.remat.checkpoint import _dependency, _differentiable, _offset
+from framework.remat.policies import Policy, get_policy
+from framework.remat.replay import Region, RematError
+
+Step = Callable[[tf.Tensor, list, list], tuple]
+
+
+def scan(
+    step: Step,
+    carry: tf.Tensor,
+    xs: Sequence[tf.Tensor],
+    consts: Sequence[tf.Tensor] = (),
+    policy: str | Policy | None = "nothing_saveable",
+    label: str = "scan",
+) -> tuple[tf.Tensor, list[tf.Tensor]]:
+    """Runs `carry, ys_i = step(carry, [x[i] for x in xs], consts)` for i in range(length).
+
+    Args:
+      step: the loop body. It returns the new carry (the same shape and dtype) and a list of
+        per-step outputs; it must build the same ops on every call and read no variable (pass
+        weights in `xs` or `consts`).
+      carry: the loop's state (a tensor); differentiated.
+      xs: tensors with a leading axis of the loop's length (static); step i reads slice i.
+        Floating-point ones are differentiated.
+      consts: tensors every step reads whole (floating-point ones are differentiated).
+      policy: what each step keeps for the backward pass (`remat.get_policy`; None keeps
+        everything, the loop's memory without remat).
+      label: the region's name in errors and in `saved_residuals`.
+
+    Returns:
+      The final carry and the per-step outputs, each stacked on a new leading axis.
+    """
+    xs, consts = list(xs), list(consts)
+    if not xs or xs[0].shape[0] is None:
+        raise ValueError("remat.scan needs at least one stacked input with a static length")
+    length = int(xs[0].shape[0])
+    region = Region(get_policy(policy), label)
+    call_state = tf_internals.keras_call_state()
+    n_x, n_y = len(xs), []
+
+    def forward(h, *args):
+        with region.recording(_dependency([h])):
+            new_h, ys = step(h, list(args[:n_x]), list(args[n_x:]))
+        n_y.append(len(ys))
+        return [new_h, *ys, *region.saved()]
+
+    specs = [_spec(carry)] + [_spec(x, sliced=True) for x in xs] + [_spec(c) for c in consts]
+    forward_fn = tf_internals.trace_function(forward, *specs)
+    _check_captures(forward_fn, label)
+    outputs = forward_fn.outputs
+    ys_out, kept_out = outputs[1 : 1 + n_y[0]], outputs[1 + n_y[0] :]
+
+    @tf.custom_gradient
+    def run(h0, *inputs):
+        stacked, whole = inputs[:n_x], inputs[n_x:]
+
+        def body(i, h, carries, ys, kept):
+            out = forward_fn(h, *[tf.gather(x, i) for x in stacked], *whole)
+            ys = [a.write(i, v) for a, v in zip(ys, out[1 : 1 + len(ys)])]
+            kept = [a.write(i, v) for a, v in zip(kept, out[1 + len(ys) :])]
+            return i + 1, out[0], carries.write(i, h), ys, kept
+
+        _, h, carries, ys, kept = tf.while_loop(
+            lambda i, *_: i < length,
+            body,
+            (
+                tf.constant(0),
+                h0,
+                _array(h0, length),
+                _arrays(ys_out, length),
+                _arrays(kept_out, length),
+            ),
+            maximum_iterations=length,
+        )
+        carries = carries.stack()
+        kept = [a.stack() for a in kept]
+        ys = [a.stack() for a in ys]
+
+        def grad_fn(d_h, *d_ys):
+            d_ys = [g if _differentiable(y) else None for y, g in zip(ys, d_ys)]
+            with tf_internals.keras_call_state_entered(call_state):
+                return _backward(
+                    step, region, carries, stacked, whole, kept, d_h, d_ys, length, n_x
+                )
+
+        return (h, *ys), grad_fn
+
+    h, *ys = run(carry, *xs, *consts)
+    return h, ys
+
+
+def _backward(step, region, carries, stacked, whole, kept, d_h, d_ys, length, n_x):
+    """Gradients for (carry, *xs, *consts) from the steps rebuilt in reverse order."""
+    if d_h is None:
+        d_h = tf.zeros(carries.shape[1:], carries.dtype)
+    upstream = [i for i, g in enumerate(d_ys) if g is not None]
+    n_kept = len(kept)
+    connected: list[list[bool]] = []  # per source of the traced step: whether it has a gradient
+
+    def backward(h, d_out, *args):
+        slices = list(args[:n_x])
+        consts = list(args[n_x : len(args) - n_kept - len(upstream)])
+        region.keep(list(args[len(args) - n_kept - len(upstream) : len(args) - len(upstream)]))
+        d_y_slices = list(args[len(args) - len(upstream) :])
+        dep = _dependency([d_out, h])
+        h = _offset(h, dep)
+        with tf.GradientTape() as tape:
+            sources = [h] + [t for t in slices + consts if _differentiable(t)]
+            tape.watch(sources)
+            with region.replaying(dep, []):
+                new_h, ys = step(h, slices, consts)
+        targets = [new_h] + [ys[i] for i in upstream]
+        grads = tape.gradient(
+            targets,
+            sources,
+            output_gradients=[d_out, *d_y_slices],
+            unconnected_gradients=tf.UnconnectedGradients.NONE,
+        )
+        connected.append([g is not None for g in grads])
+        return [g for g in grads if g is not None]
+
+    d_y_specs = [_spec(d_ys[i], sliced=True) for i in upstream]
+    specs = (
+        [_spec(carries, sliced=True), _spec(d_h)]
+        + [_spec(x, sliced=True) for x in stacked]
+        + [_spec(c) for c in whole]
+        + [_spec(k, sliced=True) for k in kept]
+        + d_y_specs
+    )
+    backward_fn = tf_internals.trace_function(backward, *specs)
+    has_grad = connected[0]
+    sources = [carries] + [t for t in list(stacked) + list(whole) if _differentiable(t)]
+    # Source 0 is the carry; then the stacked inputs (a slot per step), then the constants
+    # (summed over the steps).
+    n_stacked = sum(_differentiable(x) for x in stacked)
+    per_step = [False] + [True] * n_stacked + [False] * (len(sources) - 1 - n_stacked)
+    live = [k for k, has in enumerate(has_grad) if has]
+    slots = [k for k in live if per_step[k]]
+    sums = [k for k in live if k > 0 and not per_step[k]]
+
+    def body(i, d, grads, totals):
+        j = length - 1 - i
+        out = backward_fn(
+            tf.gather(carries, j),
+            d,
+            *[tf.gather(x, j) for x in stacked],
+            *whole,
+            *[tf.gather(k, j) for k in kept],
+            *[tf.gather(d_ys[u], j) for u in upstream],
+        )
+        by_source = dict(zip(live, out))
+        d = by_source.get(0, tf.zeros_like(d))
+        grads = [a.write(j, by_source[k]) for a, k in zip(grads, slots)]
+        totals = [t + by_source[k] for t, k in zip(totals, sums)]
+        return i + 1, d, grads, totals
+
+    _, d, grads, totals = tf.while_loop(
+        lambda i, *_: i < length,
+        body,
+        (
+            tf.constant(0),
+            d_h,
+            [_array(sources[k], length, sliced=True) for k in slots],
+            [tf.zeros_like(sources[k]) for k in sums],
+        ),
+        maximum_iterations=length,
+    )
+    by_source = {0: d}
+    by_source.update({k: a.stack() for k, a in zip(slots, grads)})
+    by_source.update(dict(zip(sums, totals)))
+    flat = iter(by_source.get(k) for k in range(len(sources)))
+    results = [next(flat)]
+    results += [next(flat) if _differentiable(t) else None for t in stacked]
+    results += [next(flat) if _differentiable(t) else None for t in whole]
+    return results
+
+
+def _spec(t: tf.Tensor, sliced: bool = False) -> tf.TensorSpec:
+    shape = t.shape[1:] if sliced else t.shape
+    return tf.TensorSpec(shape, t.dtype)
+
+
+def _array(t: tf.Tensor, length: int, sliced: bool = False) -> tf.TensorArray:
+    shape = t.shape[1:] if sliced else t.shape
+    return tf.TensorArray(t.dtype, size=length, element_shape=shape)
+
+
+def _arrays(tensors: Sequence[tf.Tensor], length: int) -> list[tf.TensorArray]:
+    return [_array(t, length) for t in tensors]
+
+
+def _check_captures(function, label: str) -> None:
+    """A step may close over constants only: a variable it read or a graph tensor it closed over
+    would get no gradient from this loop's gradient function."""
+    for captured in function.captured_inputs:
+        if captured.dtype == tf.resource or (
+            tf.is_symbolic_tensor(captured) and _differentiable(captured)
+        ):
+            raise RematError(
+                f"The steps of remat.scan {label!r} read a variable or close over a tensor "
+                f"({captured.dtype.name}{list(captured.shape)}) that would get no gradient: pass "
+                "it to remat.scan in `xs` (one slice per step) or `consts` (read whole)."
+            )
