@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument(
         "--depths", help=f"comma-separated (default {','.join(map(str, DEPTHS))}; 2,4 --quick)"
     )
-    parser.add_argument("--policies", default="random_masks_saveable")
+    parser.add_argument("--policies", default="nothing_saveable")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per layout")
     parser.add_argument(
         "--optimizer",

@@ -102,9 +102,10 @@ def test_each_loop_step_is_recomputed():
 
 
 def test_the_compiled_loop_recomputes_what_the_policy_does_not_keep():
-    """XLA's program of the step: the scanned loop without remat, and with `dots_saveable`,
-    computes no product twice (the unrolled model's FLOPs without remat); `nothing_saveable`
-    recomputes every block's products; and full remat plans fewer temporaries than none."""
+    """XLA's program of the step: the scanned loop with `dots_saveable` computes no product twice
+    (the unrolled model's FLOPs without remat); `nothing_saveable` recomputes every block's
+    products; and full remat plans fewer temporaries than no remat (TensorFlow's own loop
+    gradient, whose trip count is only known when it runs, so its FLOPs are not counted)."""
     images, labels = tf.zeros((2, 16, 16, 3)), tf.constant([0, 1])
     unrolled, scanned = pair()
     plain = flops.forward_flops(step(unrolled, "xla"), images, labels)[0]
@@ -112,7 +113,7 @@ def test_the_compiled_loop_recomputes_what_the_policy_does_not_keep():
     for policy in (None, "dots_saveable", "nothing_saveable"):
         remat.set_grad_checkpointing(scanned, policy=policy, enable=policy is not None)
         counted[policy], exact = flops.forward_flops(step(scanned, "xla"), images, labels)
-        assert exact
+        assert exact == (policy is not None)
         temps[policy] = memory.compiled_bytes(step(scanned, "xla"), images, labels).temp_bytes
     # A block's products on 2 x 5 tokens of width 16 (MLP 32, 2 heads of 8), 2 FLOPs each:
     # qkv, attention scores and values, output projection, MLP in; the MLP's output projection
@@ -120,7 +121,7 @@ def test_the_compiled_loop_recomputes_what_the_policy_does_not_keep():
     tokens, dim, mlp = 10, 16, 32
     scores = 2 * 2 * (2 * 2 * 5 * 5 * 8)  # two products over batch x heads x 5 x 5 x 8
     recomputed = 2 * tokens * dim * (3 * dim + dim + mlp) + scores
-    assert counted[None] == counted["dots_saveable"] == plain, counted
+    assert counted["dots_saveable"] == plain, counted
     assert counted["nothing_saveable"] - plain == CONFIG["depth"] * recomputed, counted
     assert temps["nothing_saveable"] < temps[None], temps
 

@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from framework import tf_internals
 from framework.remat.checkpoint import _dependency, _differentiable, _offset
-from framework.remat.policies import Policy, get_policy
+from framework.remat.policies import Policy, everything_saveable, get_policy
 from framework.remat.replay import Region, RematError
 
 Step = Callable[[tf.Tensor, list, list], tuple]
@@ -63,7 +63,10 @@ def scan(
     if not xs or xs[0].shape[0] is None:
         raise ValueError("remat.scan needs at least one stacked input with a static length")
     length = int(xs[0].shape[0])
-    region = Region(get_policy(policy), label)
+    policy = get_policy(policy)
+    if policy is everything_saveable:
+        return _plain_loop(step, carry, xs, consts, length)
+    region = Region(policy, label)
     call_state = tf_internals.keras_call_state()
     n_x, n_y = len(xs), []
 
@@ -116,6 +119,31 @@ def scan(
 
     h, *ys = run(carry, *xs, *consts)
     return h, ys
+
+
+def _plain_loop(step, carry, xs, consts, length):
+    """The loop without remat: TensorFlow's own loop gradient keeps what the backward pass
+    reads and nothing else (a region keeping every value would store each intermediate and stop
+    XLA from fusing them)."""
+    # Slices read from TensorArrays: their gradient is dense, where `tf.gather`'s is IndexedSlices.
+    reads = [_array(x, length, sliced=True).unstack(x) for x in xs]
+
+    def body(i, h, ys):
+        new_h, step_ys = step(h, [r.read(i) for r in reads], consts)
+        return i + 1, new_h, [a.write(i, v) for a, v in zip(ys, step_ys)]
+
+    # The per-step outputs' shapes are known once the step has been traced.
+    probe = tf_internals.trace_function(
+        lambda h, *args: step(h, list(args[: len(xs)]), list(args[len(xs) :]))[1],
+        _spec(carry),
+        *[_spec(x, sliced=True) for x in xs],
+        *[_spec(c) for c in consts],
+    )
+    arrays = _arrays(probe.outputs, length)
+    _, h, ys = tf.while_loop(
+        lambda i, *_: i < length, body, (tf.constant(0), carry, arrays), maximum_iterations=length
+    )
+    return h, [a.stack() for a in ys]
 
 
 def _backward(step, region, carries, stacked, whole, kept, d_h, d_ys, length, n_x):
