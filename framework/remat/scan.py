@@ -76,8 +76,7 @@ def scan(
         n_y.append(len(ys))
         return [new_h, *ys, *region.saved()]
 
-    specs = [_spec(carry)] + [_spec(x, sliced=True) for x in xs] + [_spec(c) for c in consts]
-    forward_fn = tf_internals.trace_function(forward, *specs)
+    forward_fn = tf_internals.trace_function(forward, *_step_specs(carry, xs, consts))
     _check_captures(forward_fn, label)
     outputs = forward_fn.outputs
     ys_out, kept_out = outputs[1 : 1 + n_y[0]], outputs[1 + n_y[0] :]
@@ -135,9 +134,7 @@ def _plain_loop(step, carry, xs, consts, length):
     # The per-step outputs' shapes are known once the step has been traced.
     probe = tf_internals.trace_function(
         lambda h, *args: step(h, list(args[: len(xs)]), list(args[len(xs) :]))[1],
-        _spec(carry),
-        *[_spec(x, sliced=True) for x in xs],
-        *[_spec(c) for c in consts],
+        *_step_specs(carry, xs, consts),
     )
     arrays = _arrays(probe.outputs, length)
     _, h, ys = tf.while_loop(
@@ -190,10 +187,9 @@ def _backward(step, region, carries, stacked, whole, kept, d_h, d_ys, length, n_
     # Source 0 is the carry; then the stacked inputs (a slot per step), then the constants
     # (summed over the steps).
     n_stacked = sum(_differentiable(x) for x in stacked)
-    per_step = [False] + [True] * n_stacked + [False] * (len(sources) - 1 - n_stacked)
     live = [k for k, has in enumerate(has_grad) if has]
-    slots = [k for k in live if per_step[k]]
-    sums = [k for k in live if k > 0 and not per_step[k]]
+    slots = [k for k in live if 1 <= k <= n_stacked]
+    sums = [k for k in live if k > n_stacked]
 
     def body(i, d, grads, totals):
         j = length - 1 - i
@@ -230,6 +226,11 @@ def _backward(step, region, carries, stacked, whole, kept, d_h, d_ys, length, n_
     results += [next(flat) if _differentiable(t) else None for t in stacked]
     results += [next(flat) if _differentiable(t) else None for t in whole]
     return results
+
+
+def _step_specs(carry: tf.Tensor, xs: list, consts: list) -> list[tf.TensorSpec]:
+    """What one step is traced with: the carry, one slice of each stacked input, the consts."""
+    return [_spec(carry)] + [_spec(x, sliced=True) for x in xs] + [_spec(c) for c in consts]
 
 
 def _spec(t: tf.Tensor, sliced: bool = False) -> tf.TensorSpec:
