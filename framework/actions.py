@@ -1,11 +1,12 @@
-"""What runs after each host loop: small callables `action(trainer, metrics)`, as Orbit's actions.
+"""What runs after each host loop: small callables `action(loop, metrics)`, as Orbit's actions.
 
 The trainer's loop runs `steps_per_loop` compiled steps, then each action in order with the
 loop's metrics (loss, accuracy, grad_norm, learning_rate, steps_per_sec, ...). The built-in ones
 check for divergence, write summaries, log progress, save checkpoints, save on preemption and
 evaluate; a user adds their own through `Trainer.actions` (in Python, or by gin after registering
-the callable). An action may read the trainer (`step`, `model`, `model_dir`, `evaluate()`), but
-the step and the weights change only inside the loop.
+the callable). An action sees the loop, not the trainer: where it is (`Loop.step`, the settings,
+the model directory) and the few things it may ask for (save, evaluate, roll back, stop). The
+step and the weights change only inside the loop.
 
 `StopDivergence` comes first: a loop whose state is not finite never reaches the others (it is
 never logged as progress, and never saved).
@@ -18,7 +19,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import tensorflow as tf
 
@@ -26,14 +27,56 @@ from framework.errors import TrainerError
 
 if TYPE_CHECKING:
     from framework.settings import TrainerSettings
-    from framework.trainer import Trainer
-
-Action = Callable[["Trainer", dict[str, float]], None]
 
 
-class RolledBack(Exception):
-    """Raised by `StopDivergence` after a rollback: the loop skips the remaining actions and
-    restarts its data stream at the restored step."""
+class Loop(Protocol):
+    """What an action sees of the training loop after a host loop ends."""
+
+    @property
+    def step(self) -> int:
+        """The global step the loop reached."""
+
+    @property
+    def settings(self) -> TrainerSettings:
+        """The run's settings (`Trainer.*`)."""
+
+    @property
+    def model_dir(self) -> str | None:
+        """The run's directory; None for a run in memory only."""
+
+    def save(self) -> str | None:
+        """Saves the current step (once); the checkpoint's path, None without a model_dir."""
+
+    def save_if_preempted(self) -> None:
+        """After SIGTERM, saves at a step all workers agree on and stops (`PreemptedError`)."""
+
+    def evaluate(self) -> dict[str, float]:
+        """Loss and accuracy on the held-out split (also written to the eval summaries)."""
+
+    def write_scalars(self, split: str, metrics: dict[str, float]) -> None:
+        """TensorBoard scalars of the current step under `model_dir/split`."""
+
+    def state_is_finite(self) -> bool:
+        """Whether every floating-point variable of the model and the optimizer is finite."""
+
+    @property
+    def learning_rate_scale(self) -> float:
+        """The factor on the learning-rate schedule (1 until a rollback lowers it)."""
+
+    def newest_finite_checkpoint(self) -> str | None:
+        """The newest checkpoint whose weights are finite, or None."""
+
+    def roll_back(self, learning_rate_factor: float) -> str | None:
+        """Restores the newest finite checkpoint and scales the learning rate by the factor
+        (from the lower of the rates before and after the restore); the checkpoint restored, or
+        None when there is none. The loop then skips the remaining actions and reads its data
+        again from the restored step."""
+
+    def stop(self, reason: str) -> None:
+        """Ends training once this loop's actions have run; the run saves its last step."""
+
+
+Action = Callable[[Loop, dict[str, float]], None]
 
 
 def _every(step: int, interval: int | None) -> bool:
@@ -51,52 +94,47 @@ class StopDivergence:
         self.rollbacks_left = rollbacks
         self.factor = factor
 
-    def __call__(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def __call__(self, loop: Loop, metrics: dict[str, float]) -> None:
         loss = metrics["loss"]
-        if math.isfinite(loss) and trainer.state_is_finite():
+        if math.isfinite(loss) and loop.state_is_finite():
             return
         what = (
             f"the loss became {loss}"
             if not math.isfinite(loss)
             else "the weights became non-finite"
         )
-        state = trainer.run_state
-        if self.rollbacks_left > 0 and state is not None:
-            diverged_at, scale = trainer.step, float(trainer.learning_rate_scale.numpy())
-            restored = state.restore()
+        diverged_at = loop.step
+        if self.rollbacks_left > 0 and loop.model_dir is not None:
+            restored = loop.roll_back(self.factor)
             if restored is not None:
                 self.rollbacks_left -= 1
-                # Lower than before the rollback, not only than the checkpoint's: a run that
-                # diverges again before its next save rolls back to the same checkpoint.
-                restored_scale = float(trainer.learning_rate_scale.numpy())
-                trainer.learning_rate_scale.assign(min(scale, restored_scale) * self.factor)
                 logging.warning(
-                    "%s before step %d: rolled back to %s with the learning rate scaled by "
-                    "%g (now %g of the schedule); %d rollback(s) left",
+                    "%s before step %d: rolled back to %s with the learning rate scaled by %g "
+                    "(now %g of the schedule); %d rollback(s) left",
                     what,
                     diverged_at,
                     restored,
                     self.factor,
-                    float(trainer.learning_rate_scale.numpy()),
+                    loop.learning_rate_scale,
                     self.rollbacks_left,
                 )
-                raise RolledBack
-        latest = state.newest_finite() if state is not None else None
+                return
+        latest = loop.newest_finite_checkpoint()
         kept = (
             f"the last good checkpoint {latest} is kept"
             if latest
             else "no finite checkpoint exists"
         )
         raise TrainerError(
-            f"{what} before step {trainer.step}: training diverged and this state was not saved; "
+            f"{what} before step {diverged_at}: training diverged and this state was not saved; "
             f"{kept}. Lower Trainer.learning_rate, raise Trainer.warmup_steps or set "
             "Trainer.clip_norm (or Trainer.divergence_rollbacks), and run again to resume from it."
         )
 
 
-def write_summaries(trainer: Trainer, metrics: dict[str, float]) -> None:
+def write_summaries(loop: Loop, metrics: dict[str, float]) -> None:
     """The loop's metrics as TensorBoard scalars under `model_dir/train`."""
-    trainer.summaries.scalars("train", trainer.step, metrics)
+    loop.write_scalars("train", metrics)
 
 
 def _format_duration(seconds: float) -> str:
@@ -111,8 +149,8 @@ class LogProgress:
     def __init__(self):
         self._since: tuple[float, int] | None = None
 
-    def __call__(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        now, step = time.perf_counter(), trainer.step
+    def __call__(self, loop: Loop, metrics: dict[str, float]) -> None:
+        now, step = time.perf_counter(), loop.step
         if self._since is None or step <= self._since[1]:  # the first loop, or after a rollback
             self._since = (now, step)
             rate = metrics["steps_per_sec"]
@@ -126,14 +164,14 @@ class LogProgress:
             "step %d/%d: loss %.4f, accuracy %.3f, %.2f steps/s, %.0f examples/s, %s, "
             "peak memory %s, ETA %s",
             step,
-            trainer.settings.train_steps,
+            loop.settings.train_steps,
             metrics["loss"],
             metrics["accuracy"],
             metrics["steps_per_sec"],
             metrics["examples_per_sec"],
             speed or "TFLOP/s n/a",
             "n/a" if peak is None else f"{peak:.0f} MiB",
-            _format_duration((trainer.settings.train_steps - step) / max(rate, 1e-9)),
+            _format_duration((loop.settings.train_steps - step) / max(rate, 1e-9)),
         )
 
 
@@ -148,14 +186,14 @@ class WatchMemoryBudget:
         self.planned = planned
         self._highest = 0.0
 
-    def __call__(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def __call__(self, loop: Loop, metrics: dict[str, float]) -> None:
         peak = metrics.get("peak_memory_mib")
         if peak is None or peak <= self._highest:
             return
         self._highest = peak
         budget = self.budget_bytes / 2**20
         line = (
-            f"step {trainer.step}: measured peak {peak:.0f} MiB, {peak / budget:.0%} of the "
+            f"step {loop.step}: measured peak {peak:.0f} MiB, {peak / budget:.0%} of the "
             f"{budget:.0f} MiB budget (the plan: {self.planned})"
         )
         if peak > budget:
@@ -170,15 +208,14 @@ class SaveCheckpoints:
     def __init__(self, interval: int):
         self.interval = interval
 
-    def __call__(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        if _every(trainer.step, self.interval):
-            trainer.save()
+    def __call__(self, loop: Loop, metrics: dict[str, float]) -> None:
+        if _every(loop.step, self.interval):
+            loop.save()
 
 
-def save_if_preempted(trainer: Trainer, metrics: dict[str, float]) -> None:
+def save_if_preempted(loop: Loop, metrics: dict[str, float]) -> None:
     """After SIGTERM, saves at a step all workers agree on and stops (`PreemptedError`)."""
-    if trainer.run_state is not None:
-        trainer.run_state.save_if_preempted()
+    loop.save_if_preempted()
 
 
 class Evaluate:
@@ -187,9 +224,9 @@ class Evaluate:
     def __init__(self, interval: int):
         self.interval = interval
 
-    def __call__(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        if _every(trainer.step, self.interval) and trainer.step < trainer.settings.train_steps:
-            trainer.evaluate()
+    def __call__(self, loop: Loop, metrics: dict[str, float]) -> None:
+        if _every(loop.step, self.interval) and loop.step < loop.settings.train_steps:
+            loop.evaluate()
 
 
 class Profile:
@@ -211,13 +248,13 @@ class Profile:
         self.first, self.last, self.logdir = first, last, logdir
         self.running = False
 
-    def __call__(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        end = min(self.last, trainer.settings.train_steps)
-        if self.running and trainer.step >= end:
+    def __call__(self, loop: Loop, metrics: dict[str, float]) -> None:
+        end = min(self.last, loop.settings.train_steps)
+        if self.running and loop.step >= end:
             tf.profiler.experimental.stop()
             self.running = False
-            logging.info("wrote a profile of the steps before %d to %s", trainer.step, self.logdir)
-        elif not self.running and self.first <= trainer.step < end:
+            logging.info("wrote a profile of the steps before %d to %s", loop.step, self.logdir)
+        elif not self.running and self.first <= loop.step < end:
             tf.profiler.experimental.start(self.logdir)
             self.running = True
 

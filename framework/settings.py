@@ -50,7 +50,8 @@ class TrainerSettings:
         run that starts afresh (`warm_start`): fine-tuning. Ignored once the run has
         checkpoints of its own, which it resumes from.
       runtime: strategy, devices, compiler flags, precision; `Runtime()` (gin-bound) if None.
-      actions: more callables `action(trainer, metrics)` run after the built-in ones.
+      actions: more callables `action(loop, metrics)` (`actions.Loop`) run after the built-in
+        ones.
       count_flops: count the model FLOPs of a step at the start of training, for TFLOP/s and
         MFU (lowers the forward pass to XLA once; off saves that time).
       profile_steps: (first, last): a TensorBoard profile of the loops between these steps,

@@ -239,14 +239,19 @@ class Trainer:
             self.flops = flops.count_step(self.model, self.compiled_step()[1][0], replicas, *peak)
         iterator = self.train_iterator()
         metrics: dict[str, float] = {}
-        while self.step < stop:
+        loop = _LoopView(self)
+        while self.step < stop and loop.stopped is None:
             metrics = self.run_loop(iterator, min(self.settings.steps_per_loop, stop - self.step))
             self._note_stream_position()
-            try:
-                for action in self.actions:
-                    action(self, metrics)
-            except actions_lib.RolledBack:
+            for action in self.actions:
+                action(loop, metrics)
+                if loop.rolled_back:
+                    break
+            if loop.rolled_back:
+                loop.rolled_back = False
                 iterator = self.train_iterator()
+        if loop.stopped is not None:
+            logging.info("stopped at step %d: %s", self.step, loop.stopped)
         self.save()  # the last step, whatever the checkpoint interval
         return metrics
 
@@ -258,3 +263,65 @@ class Trainer:
     def save(self) -> str | None:
         """Saves the current step to model_dir (once); None without a model_dir."""
         return self.run_state.save() if self.run_state else None
+
+
+class _LoopView(actions_lib.Loop):
+    """The trainer as its actions see it (`actions.Loop`): the step, the settings, the model
+    directory and the operations an action may ask for; whether one rolled back or stopped."""
+
+    def __init__(self, trainer: Trainer):
+        self._trainer = trainer
+        self.rolled_back = False
+        self.stopped: str | None = None
+
+    @property
+    def step(self) -> int:
+        return self._trainer.step
+
+    @property
+    def settings(self) -> TrainerSettings:
+        return self._trainer.settings
+
+    @property
+    def model_dir(self) -> str | None:
+        return self._trainer.model_dir
+
+    @property
+    def learning_rate_scale(self) -> float:
+        return float(self._trainer.learning_rate_scale.numpy())
+
+    def save(self) -> str | None:
+        return self._trainer.save()
+
+    def save_if_preempted(self) -> None:
+        if self._trainer.run_state is not None:
+            self._trainer.run_state.save_if_preempted()
+
+    def evaluate(self) -> dict[str, float]:
+        return self._trainer.evaluate()
+
+    def write_scalars(self, split: str, metrics: dict[str, float]) -> None:
+        self._trainer.summaries.scalars(split, self.step, metrics)
+
+    def state_is_finite(self) -> bool:
+        return self._trainer.state_is_finite()
+
+    def newest_finite_checkpoint(self) -> str | None:
+        state = self._trainer.run_state
+        return state.newest_finite() if state is not None else None
+
+    def roll_back(self, learning_rate_factor: float) -> str | None:
+        state, scale = self._trainer.run_state, self._trainer.learning_rate_scale
+        if state is None:
+            return None
+        before = float(scale.numpy())
+        restored = state.restore()
+        if restored is not None:
+            # Lower than before the rollback, not only than the checkpoint's: a run that
+            # diverges again before its next save rolls back to the same checkpoint.
+            scale.assign(min(before, float(scale.numpy())) * learning_rate_factor)
+            self.rolled_back = True
+        return restored
+
+    def stop(self, reason: str) -> None:
+        self.stopped = reason

@@ -20,10 +20,10 @@ class RecordLoops:
     def __init__(self):
         self.seen = []
 
-    def __call__(self, trainer, metrics):
-        directory = os.path.join(trainer.model_dir, "checkpoints")
+    def __call__(self, loop, metrics):
+        directory = os.path.join(loop.model_dir, "checkpoints")
         saved = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
-        self.seen.append((trainer.step, set(metrics), [f for f in saved if f.endswith(".index")]))
+        self.seen.append((loop.step, set(metrics), [f for f in saved if f.endswith(".index")]))
 
 
 @pytest.mark.slow
@@ -51,27 +51,30 @@ def test_actions_run_after_every_loop_in_order(tmp_path, caplog):
 
 @gin.configurable(module="test")
 class StopAt:
-    """A user's action bound by gin: stops the run by raising at a step."""
+    """A user's action bound by gin: asks the loop to stop at a step (early stopping)."""
 
     def __init__(self, step: int = gin.REQUIRED):
         self.step = step
 
-    def __call__(self, trainer, metrics):
-        if trainer.step >= self.step:
-            raise KeyboardInterrupt
+    def __call__(self, loop, metrics):
+        if loop.step >= self.step:
+            loop.stop(f"reached step {self.step}")
 
 
 @pytest.mark.slow
-def test_an_action_bound_by_gin_runs(tmp_path):
+def test_an_action_bound_by_gin_stops_the_run_which_saves_where_it_stopped(tmp_path, caplog):
     gin.clear_config()
     try:
         gin.parse_config(["Trainer.actions = [@test.StopAt()]", "test.StopAt.step = 10"])
         trainer = Trainer(str(tmp_path), **{**tiny.TRAINER_ARGS, "train_steps": 20})
     finally:
         gin.clear_config()
-    with pytest.raises(KeyboardInterrupt):
+    with caplog.at_level(logging.INFO):
         trainer.train()
     assert trainer.step == 10
+    assert "stopped at step 10: reached step 10" in caplog.text
+    saved = {f for f in os.listdir(tmp_path / "checkpoints") if f.endswith(".index")}
+    assert saved == {"ckpt-5.index", "ckpt-10.index"}
 
 
 def test_save_checkpoints_and_evaluate_follow_their_intervals():

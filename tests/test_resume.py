@@ -57,14 +57,14 @@ SCRIPT = """
         pass
 
     def crash_at(step):
-        def action(trainer, metrics):
-            if trainer.step == step:
+        def action(loop, metrics):
+            if loop.step == step:
                 raise Crash()
         return action
 
     def sigterm_at(step):
-        def action(trainer, metrics):
-            if trainer.step == step:
+        def action(loop, metrics):
+            if loop.step == step:
                 os.kill(os.getpid(), signal.SIGTERM)
         return action
 
