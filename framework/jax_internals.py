@@ -37,6 +37,7 @@ try:
     import jax
     import jaxlib
     from jax._src import compiler as _compiler
+    from jax._src import config as _config
     from jax._src.interpreters import mlir as _jax_mlir
     from jax._src.lib.mlir import ir as _ir
     from jax.experimental import topologies as _topologies
@@ -172,17 +173,32 @@ class TpuCompilation:
     flops: float
 
 
+# Compile options the compiler reads from the executable's build options rather than from its
+# flags: jax takes them out of the overrides by name, and wants them in these types.
+_BUILD_OPTIONS = {
+    "exec_time_optimization_effort": float,
+    "memory_fitting_effort": float,
+    "optimization_level": lambda value: _config.EffortLevel(value).value,
+    "memory_fitting_level": lambda value: _config.EffortLevel(value).value,
+}
+
+
 def compile_for_tpu(
     hlo_module: bytes, device, compiler_flags: dict[str, str] | None = None
 ) -> TpuCompilation:
     """Compiles a serialized HloModuleProto for `device` (see `tpu_device`), running nothing.
 
     `compiler_flags` are libtpu flags for this compilation only, e.g.
-    {"xla_tpu_max_hbm_size_mib": "8192"} (no leading dashes). The buffer assignment comes from a
-    dump of the optimised module into a temporary directory, the one place libtpu writes it.
+    {"xla_tpu_max_hbm_size_mib": "8192"} (no leading dashes), or XLA's build options by name
+    ({"exec_time_optimization_effort": "-1"}, {"optimization_level": "O1"}). The buffer
+    assignment comes from a dump of the optimised module into a temporary directory, the one
+    place libtpu writes it.
     """
+    overrides = {
+        name: _BUILD_OPTIONS.get(name, str)(value) for name, value in (compiler_flags or {}).items()
+    }
     options = _compiler.get_compile_options(
-        1, 1, device_assignment=[device], env_options_overrides=compiler_flags
+        1, 1, device_assignment=[device], env_options_overrides=overrides
     )
     with _jax_mlir.make_ir_context(), tempfile.TemporaryDirectory() as dump:
         debug = options.executable_build_options.debug_options
