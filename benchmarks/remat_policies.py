@@ -1,7 +1,7 @@
 """Memory and time of one train step under each rematerialization setting, side by side.
 
-For a stack of transformer blocks and for ViT-B/16, every setting - no remat, the framework's
-policies, `tf.recompute_grad` per block and Keras 3 `RematScope` - trains with the same
+For a stack of transformer blocks, ViT-B/16 and a decoder LM, every setting - no remat, the
+framework's policies, `tf.recompute_grad` per block and Keras 3 `RematScope` - trains with the same
 `tf.function(jit_compile=True)` step (forward, backward, SGD apply) and is measured for:
 
 - the allocator's peak of one steady step beyond what was live before it
@@ -41,7 +41,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from framework import memory, models, remat, tf_internals
+from framework import flops, memory, models, remat, tf_internals
+from framework.models.language import DecoderLM
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,7 +61,7 @@ SETTING_LABELS = {
     "rematscope_activations": '`keras.RematScope("activations")`',
     **{p: f"`{p}`" for p in POLICIES},
 }
-MODELS = ("stack", "vit_b16")
+MODELS = ("stack", "vit_b16", "decoder_lm")
 # Issue 3, "Measured": targets on ViT-B/16 at batch 8 as (memory ratio, time ratio) upper bounds.
 FULL_TARGET = (0.30, 1.35)
 SELECTIVE_TARGET = (0.60, 1.10)
@@ -134,6 +135,34 @@ def model_spec(name: str, quick: bool) -> ModelSpec:
                 tf.random.stateless_normal((batch, size, size, 3), seed=(1, 2)),
                 tf.random.stateless_uniform((batch,), seed=(3, 4), maxval=classes, dtype=tf.int32),
             ),
+            loss=lambda logits, y: tf.reduce_mean(
+                tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
+            ),
+        )
+    if name == "decoder_lm":
+        batch, length = (2, 16) if quick else (4, 512)
+        config = (
+            {"vocab_size": 256, "dim": 32, "depth": 2, "num_heads": 2, "mlp_dim": 64}
+            if quick
+            else {"vocab_size": 32_000, "dim": 768, "depth": 12, "num_heads": 12, "mlp_dim": 3072}
+        )
+
+        def text_batch() -> tuple[dict, tf.Tensor]:
+            tokens = tf.random.stateless_uniform(
+                (batch, length + 1), seed=(1, 2), maxval=config["vocab_size"], dtype=tf.int32
+            )
+            positions = tf.broadcast_to(tf.range(length), (batch, length))
+            inputs = {"tokens": tokens[:, :-1], "positions": positions}
+            return inputs | {"segment_ids": tf.ones((batch, length), tf.int32)}, tokens[:, 1:]
+
+        return ModelSpec(
+            description=(
+                f"decoder LM, width {config['dim']}, {config['depth']} blocks, "
+                f"{config['vocab_size']} tokens, batch {batch} x {length}, dropout 0.1; "
+                "loss: next-token softmax cross-entropy"
+            ),
+            build=lambda: DecoderLM(max_length=length, dropout=0.1, **config),
+            batch=text_batch,
             loss=lambda logits, y: tf.reduce_mean(
                 tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
             ),
@@ -284,6 +313,7 @@ def measure(
         try:
             plan = memory.compiled_bytes(step, x, y)
             result["temp_bytes"], result["total_bytes"] = plan.temp_bytes, plan.total_bytes
+            result["matmul_flops"] = flops.forward_flops(step, x, y)[0]
         except Exception as error:
             result["error"] = _one_line(error)
         return result
@@ -350,26 +380,33 @@ def _ratio(value: float | None, base: float | None) -> str:
 
 
 def format_compiled_table(results: list[dict[str, Any]]) -> str:
-    """XLA:CPU's and the TPU compiler's temp bytes side by side, each as a ratio to no remat."""
+    """XLA:CPU's and (when compiled) the TPU compiler's temp bytes, each as a ratio to no remat,
+    and the matrix-product FLOPs of the step TensorFlow hands XLA as a ratio to no remat's (the
+    recomputation a setting asks for; elementwise work, such as a mask's redraw, not counted)."""
+    with_tpu = any("tpu_temp_bytes" in r or "tpu_error" in r for r in results)
     compiler = next((r["tpu_compiler"] for r in results if "tpu_compiler" in r), "TPU")
-    rows = [
-        f"| model | setting | XLA:CPU temp MiB | ratio | {compiler} temp MiB | ratio |",
-        "|---|---|---|---|---|---|",
-    ]
+    head = ["model", "setting", "XLA:CPU temp MiB", "ratio"]
+    head += [f"{compiler} temp MiB", "ratio"] if with_tpu else []
+    head += ["matmul FLOPs / no remat"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     base = {r["model"]: r for r in results if r["setting"] == "none"}
     for r in results:
         b = base.get(r["model"], {})
-        cpu = (
+        cells = [r["model"], label(r["setting"])]
+        cells += (
             [_mib(r["temp_bytes"]), _ratio(r["temp_bytes"], b.get("temp_bytes"))]
             if "temp_bytes" in r
             else [f"crash: {r.get('error')}", ""]
         )
-        tpu = (
-            [_mib(r["tpu_temp_bytes"]), _ratio(r["tpu_temp_bytes"], b.get("tpu_temp_bytes"))]
-            if "tpu_temp_bytes" in r
-            else [f"crash: {r.get('tpu_error', r.get('error'))}", ""]
-        )
-        rows.append("| " + " | ".join([r["model"], label(r["setting"]), *cpu, *tpu]) + " |")
+        if with_tpu:
+            cells += (
+                [_mib(r["tpu_temp_bytes"]), _ratio(r["tpu_temp_bytes"], b.get("tpu_temp_bytes"))]
+                if "tpu_temp_bytes" in r
+                else [f"crash: {r.get('tpu_error', r.get('error'))}", ""]
+            )
+        counted = r.get("matmul_flops") and b.get("matmul_flops")
+        cells.append(f"{r['matmul_flops'] / b['matmul_flops']:.3f}" if counted else "-")
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -519,12 +556,13 @@ def format_report(
         f"Machine: {machine()}",
     ]
     tpu_table = []
-    if any("tpu_temp_bytes" in r or "tpu_error" in r for r in results):
+    if compile_only or any("tpu_temp_bytes" in r or "tpu_error" in r for r in results):
         tpu_table = [
             "",
-            "Compiled, not run: XLA:CPU's buffer assignment and the TPU compiler's (libtpu's "
-            "compile-only client, `memory.compiled_bytes(..., target=)`) of the same step; TPU "
-            "temp bytes count HBM only (what fits in on-chip VMEM is not in them).",
+            "Compiled, not run: XLA:CPU's buffer assignment and, with `--target`, the TPU "
+            "compiler's (libtpu's compile-only client, `memory.compiled_bytes(..., target=)`) of "
+            "the same step; TPU temp bytes count HBM only (what fits in on-chip VMEM is not in "
+            "them).",
             "",
             format_compiled_table(results),
         ]

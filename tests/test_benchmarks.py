@@ -70,7 +70,7 @@ def test_remat_policies_compiled_for_a_tpu_quick(tmp_path):
     run_benchmark(
         "remat_policies.py",
         "--quick",
-        "--models=stack",
+        "--models=stack,decoder_lm",
         "--settings=none,nothing_saveable",
         "--target=v5e",
         "--compile_only",
@@ -78,13 +78,15 @@ def test_remat_policies_compiled_for_a_tpu_quick(tmp_path):
     )
     report = out.read_text()
     assert "| XLA:CPU temp MiB | ratio | TPU v5e (libtpu 0.0.42" in report, report
-    rows = _table_rows(report, "stack")
-    assert set(rows) == {"no remat", "`nothing_saveable`"}, report
-    # Columns: model, setting, XLA:CPU temp MiB, ratio, TPU temp MiB, ratio (a tiny step's
-    # scratch fits on chip: 0 MiB in HBM, no ratio).
-    base, full = rows["no remat"], rows["`nothing_saveable`"]
-    assert base[3] == "1.00" and float(full[3]) < 1, report
-    assert float(base[4]) >= 0 and float(full[4]) >= 0, report
+    for model in ("stack", "decoder_lm"):
+        rows = _table_rows(report, model)
+        assert set(rows) == {"no remat", "`nothing_saveable`"}, report
+        # Columns: model, setting, XLA:CPU temp MiB, ratio, TPU temp MiB, ratio (a tiny step's
+        # scratch fits on chip: 0 MiB in HBM, no ratio), matmul FLOPs / no remat.
+        base, full = rows["no remat"], rows["`nothing_saveable`"]
+        assert base[3] == "1.00" and float(full[3]) < 1, report
+        assert float(base[4]) >= 0 and float(full[4]) >= 0, report
+        assert base[6] == "1.000" and float(full[6]) > 1, report  # the recomputed products
     assert "step s" not in report  # nothing ran
 
 

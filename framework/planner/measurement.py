@@ -214,7 +214,7 @@ def _measure_steps(trainer, policy: str, steps: int) -> Measurement:
         policy,
         trainer.settings.global_batch_size,
         xla_flags=xla.current_flags(),
-        state_bytes=_state_bytes(trainer.optimizer),
+        state_bytes=state_bytes(trainer.optimizer),
         peak_bytes=tracker.result.peak_bytes,
         live_before_bytes=tracker.result.live_before_bytes,
         compiled_total_bytes=compiled.total_bytes,
@@ -225,7 +225,9 @@ def _measure_steps(trainer, policy: str, steps: int) -> Measurement:
     )
 
 
-def _state_bytes(optimizer) -> int:
+def state_bytes(optimizer) -> int:
+    """The optimizer's state per device (its variables: slots and counters), which lives
+    beside the forward and backward pass the planner compiles."""
     import tensorflow as tf
 
     return sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in optimizer.variables)
@@ -260,7 +262,7 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
     except Exception as error:  # noqa: BLE001 (any failure to build is the config's)
         trainer, build_error = None, _reason(error)
     else:
-        state = _state_bytes(trainer.optimizer)
+        state = state_bytes(trainer.optimizer)
         if chip is None:
             peak, _ = trainer.runtime.peak_flops_per_device(trainer.strategy)
         else:
