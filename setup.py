@@ -4,7 +4,7 @@ from setuptools import find_packages, setup
 
 # The TPU compiler, for plans made for a TPU chip on any host (`memory.compiled_bytes(...,
 # target="v5e")`, `framework.planner --target=v5e`): libtpu ships it, jax and jaxlib are the only
-# way in, and `jax[tpu]==0.10.2` pins this libtpu. framework/jax_internals.py names the same
+# way in, and `jax[tpu]==0.10.2` pins this libtpu. framework/core/jax_internals.py names the same
 # releases; keep the two in step.
 TPU_COMPILER = ["jax==0.10.2", "jaxlib==0.10.2", "libtpu==0.0.42.*"]
 
@@ -19,8 +19,8 @@ setup(
     package_data={"framework": ["configs/*.gin", "configs/*/*.gin", "data/corpus/*.txt"]},
     install_requires=[
         # TensorFlow 2.20 (the newest TPU build, `tensorflow-tpu`) and 2.21, the range that
-        # framework/tf_internals.py checks; each tensorflow-text release pins its own TensorFlow
-        # minor, so pip pairs them. TF 2.21 no longer pulls TensorBoard.
+        # framework/core/tf_internals.py checks; each tensorflow-text release pins its own
+        # TensorFlow minor, so pip pairs them. TF 2.21 no longer pulls TensorBoard.
         "tensorflow>=2.20,<2.22",
         "tensorflow-text>=2.20,<2.22",
         "tensorboard>=2.20",
@@ -34,9 +34,9 @@ setup(
         "tfds": ["tensorflow-datasets>=4.9.10,<5"],
         "tpu": TPU_COMPILER,
         # pytest-xdist: the README's test command runs the suite in 2 worker processes.
-        # keras-hub: remat is tested on its backbones (tests/test_remat_user_models.py); 0.32
+        # keras-hub: remat is tested on its backbones (tests/remat/test_user_models.py); 0.32
         # needs keras>=3.15 and tensorflow-text>=2.20.1, which both supported TensorFlows take.
-        # The TPU compiler: TPU plans are tested on small steps (tests/test_memory_tpu.py).
+        # The TPU compiler: TPU plans are tested on small steps (tests/memory/test_tpu.py).
         "test": [
             "pytest>=8",
             "pytest-xdist>=3.6",

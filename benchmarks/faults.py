@@ -35,7 +35,7 @@ import threading
 import tensorflow as tf
 from remat_policies import REPO_DIR, machine, write_report
 
-from framework import checkpoints
+from framework.rundir import checkpoints
 
 FULL_RUN = [
     "--gin_file=quickstart.gin",

@@ -43,7 +43,7 @@ def pipeline_tokens_per_second(dataset, batches: int) -> float:
 def main(argv: Sequence[str]) -> None:
     del argv
 
-    from framework import trainer
+    from framework.trainer import trainer
 
     model_dir = tempfile.mkdtemp(prefix="input_pipeline_")
     bindings = [

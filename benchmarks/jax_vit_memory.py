@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from remat_policies import write_report  # noqa: E402
 
-from framework import jax_internals  # noqa: E402
+from framework.core import jax_internals  # noqa: E402
 from framework.memory import tpu  # noqa: E402
 
 POLICIES: dict[str, Callable | None] = {

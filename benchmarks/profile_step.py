@@ -28,7 +28,7 @@ from collections.abc import Callable
 import remat_policies
 import tensorflow as tf
 
-from framework.tf_internals import xplane_pb2
+from framework.core.tf_internals import xplane_pb2
 
 HLO_NAME = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ", re.MULTILINE)
 

@@ -41,8 +41,10 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from framework import flops, memory, models, remat, tf_internals
+from framework import memory, models, remat
+from framework.core import tf_internals
 from framework.models.language import DecoderLM
+from framework.runtime import flops
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

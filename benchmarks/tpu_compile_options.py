@@ -24,7 +24,7 @@ import time
 import tensorflow as tf
 from remat_policies import MODELS, ModelSpec, build_model, model_spec, train_step, write_report
 
-from framework import jax_internals
+from framework.core import jax_internals
 from framework.memory import tpu
 from framework.memory.xla_buffers import CompiledMemory
 

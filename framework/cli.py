@@ -32,7 +32,7 @@ import gin
 from absl import app, flags
 from gin import config_parser
 
-from framework.errors import UsageError, UserError
+from framework.core.errors import UsageError, UserError
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_GIN_FILE = "quickstart.gin"
@@ -348,7 +348,7 @@ def prepare_model_dir(model_dir: str) -> None:
     credentials to write is one line that says what to check."""
     import tensorflow as tf
 
-    from framework import files
+    from framework.core import files
 
     try:
         files.check_writable(model_dir)

@@ -1,10 +1,10 @@
 """Makes the library's models, data sets, losses, optimizers and remat policies configurable.
 
-The one place where gin meets `framework.models`, `framework.data`, `framework.losses`,
-`framework.optim` and `framework.remat` (t5x keeps gin at the edge the same way). `Trainer` and
-`Runtime` register themselves, and the trainer imports this module: importing
-`framework.trainer` registers every name `framework/configs/*.gin` use. The trainer's default
-loss and optimizer are the registered functions below, so a binding such as
+The one place where gin meets `framework.models`, `framework.data`,
+`framework.trainer.losses`, `framework.trainer.optim` and `framework.remat` (t5x keeps gin at the
+edge the same way). `Trainer` and `Runtime` register themselves, and the trainer imports this
+module: importing `framework.trainer` registers every name `configs/*.gin` use. The
+trainer's default loss and optimizer are the registered functions below, so a binding such as
 `optim.adamw.beta_2 = 0.98` takes effect whether or not `Trainer.optimizer_fn` is bound.
 """
 
@@ -12,9 +12,10 @@ from collections.abc import Sequence
 
 import gin
 
-from framework import losses, optim, remat
+from framework import remat
 from framework.data import images, synthetic_images, text, tfds, tfds_text, tfrecord, token_records
 from framework.models import language, vit
+from framework.trainer import losses, optim
 
 for _model in (vit.VisionTransformer, vit.vit_tiny, vit.vit_small, vit.vit_b16, vit.vit_l16):
     gin.external_configurable(_model, module="models")

@@ -3,7 +3,7 @@
 
 The model is rebuilt from the run's `DIR/config.gin` with the weights of the newest checkpoint
 that restores, or of `--checkpoint` (a step of the run or a checkpoint prefix), by
-`framework.run_model`: float32 variables and compute whatever precision the run trained in, no
+`framework.trained_model`: float32 variables and compute whatever precision the run trained in, no
 remat policy. Its serving functions are traced without the tags remat policies read
 (`remat.without_checkpoint_names`), so the SavedModel is plain TensorFlow: loading it needs
 neither this package nor anything registered at run time (op callbacks, custom gradients).
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from absl import flags
 
 from framework import cli
-from framework.errors import UsageError
+from framework.core.errors import UsageError
 
 if TYPE_CHECKING:  # TensorFlow loads only once a binary runs: `--help` stays quick
     import keras
@@ -123,7 +123,8 @@ def save(
     import keras
     import tensorflow as tf
 
-    from framework import files, remat
+    from framework import remat
+    from framework.core import files
 
     existed = check_export_dir(export_dir)
     functions = serving_functions(model)
@@ -167,10 +168,10 @@ def export_run(model_dir: str, export_dir: str, checkpoint: str | None = None) -
     the newest) to `export_dir`; returns what `assets.extra/export.json` records."""
     import gin
 
-    from framework import run_model
+    from framework import trained_model
 
     check_export_dir(export_dir)  # before the model is built: the cheap error first
-    loaded = run_model.load(model_dir, checkpoint)
+    loaded = trained_model.load(model_dir, checkpoint)
     gin.clear_config()  # the run's bindings are not the caller's
     record = {
         "model_dir": model_dir,

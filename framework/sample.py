@@ -1,7 +1,7 @@
 """Generates text from a trained decoder LM: `python -m framework.sample --model_dir=DIR`.
 
 The model is rebuilt the way the run built it, from the run's own `DIR/config.gin`, with the
-weights of the newest checkpoint in `DIR/checkpoints` (`framework.run_model`, which refuses the
+weights of the newest checkpoint in `DIR/checkpoints` (`framework.trained_model`, which refuses the
 config's `import` and `include` lines rather than run them). Text is tokenized with the run's
 vocabulary: `data.TextCorpus.vocab_path` or `data.TfdsText.vocab_path` when the config records
 it, else `DIR/vocab.txt`.
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from absl import flags
 
 from framework import cli
-from framework.errors import UsageError, UserError
+from framework.core.errors import UsageError, UserError
 
 cli.define_model_dir_flag("The training run's model directory (required).")
 flags.DEFINE_string("prompt", "", "Text to continue; empty starts a new document.")
@@ -43,11 +43,11 @@ def load_run(model_dir: str):
     import gin
     import tensorflow as tf
 
-    from framework import run_model
+    from framework import trained_model
     from framework.data import text, tfds_text
     from framework.data import vocab as vocab_lib
 
-    model = run_model.load(model_dir).model
+    model = trained_model.load(model_dir).model
     vocab_path = os.path.join(model_dir, "vocab.txt")
     for source in (text.TextCorpus, tfds_text.TfdsText):  # the run's config holds the one it used
         try:

@@ -11,7 +11,7 @@ command does (in a run of several workers, Ctrl-C stops it as SIGTERM does: stat
 `--print_config` builds the run without a model directory and prints the operative gin config
 (what `config.gin` would hold), without training. `--check_determinism=N` trains two copies of
 the run N steps, without a model directory, and says whether and where they differ
-(`framework.determinism`).
+(`framework.trainer.determinism`).
 
 `Trainer.remat_policy = "auto"` with `--memory_budget` runs the planner (`framework.planner`) first,
 over `--policies` at the config's batch size, and trains with its pick. The binary resolves "auto":
@@ -34,7 +34,7 @@ import gin
 from absl import flags
 
 from framework import cli
-from framework.errors import BAD_DATA, Interrupted, UsageError
+from framework.core.errors import BAD_DATA, Interrupted, UsageError
 
 AUTO_POLICY = "auto"
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -67,7 +67,7 @@ def write_run_record(model_dir: str, config: str, command: str) -> None:
     earlier, different config.gin is kept, dated."""
     import tensorflow as tf
 
-    from framework import files
+    from framework.core import files
 
     config_path = files.join(model_dir, "config.gin")
     if tf.io.gfile.exists(config_path) and files.read_text(config_path) != config:
@@ -88,7 +88,7 @@ def check_required_bindings(settings_class: type) -> None:
     if missing:
         raise UsageError(
             f"the config does not set {' or '.join(missing)}: is a gin file empty? "
-            "framework/configs/quickstart.gin shows a complete one"
+            "configs/quickstart.gin shows a complete one"
         )
 
 
@@ -170,8 +170,9 @@ def resolve_auto_policy(
             f"{name} = 'auto' needs --memory_budget, e.g. 16GiB (or Runtime.accelerator_type: "
             "its HBM)"
         )
-    from framework import actions, memory, planner
+    from framework import memory, planner
     from framework.memory import tpu
+    from framework.trainer import actions
 
     if target is not None:
         try:
@@ -235,7 +236,7 @@ def _ctrl_c_preempts() -> None:
 
 def _check_determinism(trainer_class: type, num_steps: int) -> int:
     """`--check_determinism`: exit status 0 when two copies of the run stay bit-identical."""
-    from framework import determinism
+    from framework.trainer import determinism
 
     found = determinism.first_difference(lambda: _build(trainer_class, None), num_steps)
     if found is None:
@@ -285,9 +286,9 @@ def main(argv: Sequence[str]) -> int:
 
     import tensorflow as tf
 
-    from framework.errors import PreemptedError
-    from framework.settings import TrainerSettings
+    from framework.core.errors import PreemptedError
     from framework.trainer import Trainer  # registers every gin name (see configurables)
+    from framework.trainer.settings import TrainerSettings
 
     cli.parse_gin(files, bindings, FLAGS.gin_search_paths)
     check_required_bindings(TrainerSettings)

@@ -725,7 +725,7 @@ def shipped_gin_files(train_args: Sequence[str]) -> tuple[list[str], dict[str, s
 
     The VM has the committed tree only (`setup`), so a user's own config would not be found
     there, or another file of the same name would be. A name that is no file here is one of the
-    package's configs (`framework/configs/`), read on the VM. `include` lines inside a shipped
+    package's configs (`configs/`), read on the VM. `include` lines inside a shipped
     file must name the package's configs too.
     """
     flags, files = list(train_args), {}
@@ -960,7 +960,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if unknown:
         parser.error(
             f"--gin_file={unknown[0]} is neither a file here nor one of the package's configs "
-            "(framework/configs/): the launcher copies files from this machine to the TPU VM"
+            "(configs/): the launcher copies files from this machine to the TPU VM"
         )
     if args.subcommand != "versions" and not args.name:
         parser.error(f"`{args.subcommand}` needs --name")

@@ -1,4 +1,4 @@
-"""A stand-in for `gcloud` (and the TPU VMs behind it) for tests/test_tpu_pod_launcher.py.
+"""A stand-in for `gcloud` (and the TPU VMs behind it) for tests/launch/test_tpu_pod.py.
 
 The test puts small wrappers on PATH that run this file with a role as the first argument:
 

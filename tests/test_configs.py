@@ -4,7 +4,8 @@ import gin
 import keras
 import pytest
 
-from framework import cli, trainer  # noqa: F401  (registers Trainer)
+from framework import cli
+from framework.trainer import trainer  # noqa: F401  (registers Trainer)
 
 TOO_BIG_TO_BUILD = {"models/decoder_1b.gin", "plan/decoder_1b_seq2048.gin"}  # 3.9 GB of weights
 CONFIGS = sorted(p.relative_to(cli.CONFIGS_DIR) for p in cli.CONFIGS_DIR.rglob("*.gin"))

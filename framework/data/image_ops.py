@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import tensorflow as tf
 
-from framework import checks
+from framework.core import checks
 from framework.data import augment
 
 # ImageNet's channel means and standard deviations, for images scaled to [0, 1].

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from framework import checks
+from framework.core import checks
 from framework.data import augment, image_ops, sharding, streams
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".JPG", ".JPEG", ".PNG")

@@ -34,7 +34,7 @@ import re
 
 import tensorflow as tf
 
-from framework.errors import BAD_DATA
+from framework.core.errors import BAD_DATA
 
 PROBLEMS = (
     "",

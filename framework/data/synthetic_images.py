@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from framework import checks
+from framework.core import checks
 from framework.data import sharding
 
 SHAPES = ("disk", "square", "ring", "plus", "diamond", "triangle", "h_stripes", "v_stripes")

@@ -54,7 +54,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_text as tf_text
 
-from framework import checks
+from framework.core import checks
 from framework.data import json_lines, packing, positions, sharding, streams, tfrecord
 from framework.data import vocab as vocab_lib
 

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from framework import checks
+from framework.core import checks
+from framework.core.errors import MissingDependency
 from framework.data import image_ops, images, streams
 from framework.data import sharding as sharding_lib
-from framework.errors import MissingDependency
 
 
 def import_tfds():

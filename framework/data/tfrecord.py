@@ -28,11 +28,11 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from framework import checks
+from framework.core import checks
+from framework.core.errors import BAD_DATA
+from framework.core.files import is_local
 from framework.data import image_ops, images, streams
 from framework.data import sharding as sharding_lib
-from framework.errors import BAD_DATA
-from framework.files import is_local
 
 
 def list_files(patterns: str | Sequence[str], setting: str) -> list[str]:

@@ -14,10 +14,10 @@ import dataclasses
 import tensorflow as tf
 from google.protobuf.message import DecodeError
 
-from framework import checks
+from framework.core import checks
+from framework.core.errors import BAD_DATA
 from framework.data import sharding, streams, text, tfrecord
 from framework.data import vocab as vocab_lib
-from framework.errors import BAD_DATA
 
 _STATS_RECORDS = 10_000  # token records in the training sample `log_stats` describes
 _CHECKED_RECORDS = 64  # token records checked at set-up

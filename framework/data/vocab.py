@@ -23,7 +23,7 @@ from collections.abc import Callable
 import tensorflow as tf
 from tensorflow_text.tools.wordpiece_vocab import wordpiece_tokenizer_learner_lib as learner
 
-from framework import files
+from framework.core import files
 
 PAD, UNK, BOS, EOS, MASK = "[PAD]", "[UNK]", "[BOS]", "[EOS]", "[MASK]"
 RESERVED_TOKENS = (PAD, UNK, BOS, EOS, MASK)

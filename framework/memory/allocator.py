@@ -18,7 +18,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from framework import tf_internals
+from framework.core import tf_internals
 
 BFC_ENV_VAR = "TF_CPU_ALLOCATOR_USE_BFC"
 

@@ -18,8 +18,8 @@ import collections
 import dataclasses
 import re
 
+from framework.core.tf_internals import hlo_pb2, xla_data_pb2
 from framework.memory.xla_buffers import CompiledMemory, memory_from_hlo_proto
-from framework.tf_internals import hlo_pb2, xla_data_pb2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +178,7 @@ def compile_for_chip(
     Raises:
       MissingDependency: the `tpu` extra (jax, jaxlib, libtpu) is not installed.
     """
-    from framework import jax_internals
+    from framework.core import jax_internals
 
     device = jax_internals.tpu_device(chip.topology, chip.chip_config)
     compiled = jax_internals.compile_for_tpu(

@@ -20,9 +20,9 @@ from typing import Any
 
 import tensorflow as tf
 
+from framework.core.tf_internals import hlo_pb2, is_jit_compiled, xla_data_pb2
 from framework.memory.allocator import default_device
 from framework.memory.units import format_bytes
-from framework.tf_internals import hlo_pb2, is_jit_compiled, xla_data_pb2
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from absl import flags
 
 from framework import cli
-from framework.errors import UsageError
+from framework.core.errors import UsageError
 
 cli.define_config_flags()
 cli.define_budget_flags(
@@ -77,7 +77,7 @@ def _target_chip():
         chip = tpu.tpu_chip(FLAGS.target)
     except ValueError as error:
         raise UsageError(f"--target: {error}") from None
-    from framework import jax_internals  # noqa: F401  (raises MissingDependency, one line)
+    from framework.core import jax_internals  # noqa: F401  (raises MissingDependency, one line)
 
     return chip
 
@@ -99,7 +99,8 @@ def main(argv: Sequence[str]) -> int:
     policies = cli.policies_flag()
     batch_sizes = _batch_sizes()
 
-    from framework import planner, trainer  # noqa: F401  (trainer registers the gin names)
+    from framework import planner
+    from framework.trainer import trainer  # noqa: F401  (registers the gin names)
 
     cli.parse_gin(files, bindings, FLAGS.gin_search_paths)
     cli.prepare_model_dir(model_dir)

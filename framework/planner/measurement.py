@@ -196,9 +196,10 @@ def measure(spec: dict) -> Measurement:
 def _measure_steps(trainer, policy: str, steps: int) -> Measurement:
     """Warms up (trace, compile, optimizer slots), then measures one steady step's peak, the
     median time of `steps` steps, and XLA's buffer assignment of the step."""
-    from framework import distribute, memory, xla
-
     # The first replica's device: on TPU and GPU that device's own allocator is read.
+    from framework import memory
+    from framework.runtime import distribute, xla
+
     device = distribute.first_device(trainer.strategy)
     iterator = trainer.train_iterator()
     trainer.run_steps(iterator, 1)
@@ -245,8 +246,10 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
     at the chip's peak."""
     import tensorflow as tf
 
-    from framework import cli, distribute, flops, memory, remat, tf_internals, xla
+    from framework import cli, memory, remat
+    from framework.core import tf_internals
     from framework.memory import tpu
+    from framework.runtime import distribute, flops, xla
     from framework.trainer import Trainer
 
     chip = tpu.tpu_chip(spec["target"]) if spec.get("target") else None

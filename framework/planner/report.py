@@ -134,7 +134,7 @@ def plot(plan: Plan, path: str) -> None:
     """Writes the peak-memory-against-step-time picture (matplotlib, no display needed)."""
     import matplotlib
 
-    from framework import files
+    from framework.core import files
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
@@ -193,7 +193,7 @@ def plot(plan: Plan, path: str) -> None:
 
 def write_plan(plan: Plan, model_dir: str) -> tuple[str, str]:
     """Writes `plan.json` and `plan.png` into model_dir (a gs:// one too); returns their paths."""
-    from framework import files
+    from framework.core import files
 
     json_path, png_path = files.join(model_dir, "plan.json"), files.join(model_dir, "plan.png")
     files.write_bytes(json_path, json.dumps(to_json(plan), indent=2) + "\n")

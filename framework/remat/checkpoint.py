@@ -32,7 +32,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from framework import tf_internals
+from framework.core import tf_internals
 from framework.remat.effects import find_effects
 from framework.remat.policies import Policy, everything_saveable, get_policy
 from framework.remat.replay import (

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 
 import keras
 
-from framework import tf_internals
+from framework.core import tf_internals
 from framework.remat import segments
 from framework.remat.checkpoint import (
     checkpoint,

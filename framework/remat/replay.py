@@ -35,7 +35,7 @@ from collections.abc import Iterator
 
 import tensorflow as tf
 
-from framework import tf_internals
+from framework.core import tf_internals
 from framework.remat.policies import (
     ELEMENTWISE_FLOPS_PER_VALUE,
     RANDOM_FLOPS_PER_VALUE,

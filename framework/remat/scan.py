@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-from framework import tf_internals
+from framework.core import tf_internals
 from framework.remat.checkpoint import _dependency, _differentiable, _offset
 from framework.remat.policies import Policy, everything_saveable, get_policy
 from framework.remat.replay import Region, RematError

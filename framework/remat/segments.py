@@ -23,7 +23,7 @@ import math
 
 import keras
 
-from framework import tf_internals
+from framework.core import tf_internals
 from framework.remat.checkpoint import checkpoint
 from framework.remat.policies import Policy
 

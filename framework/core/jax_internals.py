@@ -1,0 +1,226 @@
+"""Every private jax, jaxlib and libtpu API the framework relies on, in one place.
+
+libtpu carries the TPU compiler, and its compile-only client compiles a program for a TPU chip
+on a host that has none (the way MaxText's `train_compile.py` plans a v5e-256 job on a CPU VM).
+jax is the only public door to that client, and the door is private: a topology description,
+jaxlib's MLIR bindings and jax's compile options. Each wrapper here is small, so a jax release
+that moves one of them breaks one function, and `SUPPORTED_JAX` says which releases were checked.
+
+The packages are the `tpu` extra (`pip install -e ".[tpu]"`); importing this module without them
+raises `MissingDependency` with that command, and with other releases warns
+(`UnsupportedJaxWarning`) but goes on, as `tf_internals` does for TensorFlow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import glob
+import os
+import re
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterator
+
+from framework.core.errors import MissingDependency
+
+# The jax/jaxlib release the TPU compile-only path was tested with, and the libtpu release its
+# `tpu` extra pins (jax 0.10.2 -> libtpu 0.0.42.*). Keep in step with setup.py's `tpu` extra.
+SUPPORTED_JAX = ("0.10.2",)
+SUPPORTED_LIBTPU = ("0.0.42",)
+
+INSTALL_HINT = 'pip install -e ".[tpu]"'
+
+try:
+    import jax
+    import jaxlib
+    from jax._src import compiler as _compiler
+    from jax._src import config as _config
+    from jax._src.interpreters import mlir as _jax_mlir
+    from jax._src.lib.mlir import ir as _ir
+    from jax.experimental import topologies as _topologies
+    from jaxlib import _jax
+except ImportError as error:  # the extra is not installed
+    raise MissingDependency(
+        f"planning for a TPU chip needs jax, jaxlib and libtpu ({error.name} is missing): "
+        f"{INSTALL_HINT}"
+    ) from None
+
+# What libtpu prints to stderr when it starts on a host that is not a TPU VM: it cannot find the
+# accelerator type and the worker hostnames in the VM's metadata. The compile-only client does not
+# need either. Any other line is passed through.
+_START_UP_NOISE = re.compile(
+    r"TPU_ACCELERATOR_TYPE|TPU_WORKER_HOSTNAMES|Logging before InitGoogle|"
+    r"Source Location Trace|libtpu_init_utils|Failed to find host bounds"
+)
+
+
+def versions() -> dict[str, str]:
+    """The installed jax, jaxlib and libtpu releases."""
+    from importlib import metadata
+
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "missing"
+
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "libtpu": version("libtpu")}
+
+
+def unsupported_versions_message() -> str | None:
+    """What to tell a user whose jax or libtpu is not the tested pair, or None."""
+    found = versions()
+    if found["jax"] in SUPPORTED_JAX and found["jaxlib"] in SUPPORTED_JAX:
+        if any(found["libtpu"].startswith(v) for v in SUPPORTED_LIBTPU):
+            return None
+    return (
+        f"jax {found['jax']}, jaxlib {found['jaxlib']} and libtpu {found['libtpu']} are "
+        f"installed; the TPU compile-only path was tested with jax and jaxlib "
+        f"{'/'.join(SUPPORTED_JAX)} and libtpu {'/'.join(SUPPORTED_LIBTPU)}.*: {INSTALL_HINT}"
+    )
+
+
+class UnsupportedJaxWarning(UserWarning):
+    """The installed jax, jaxlib or libtpu is not the tested release."""
+
+
+if (_message := unsupported_versions_message()) is not None:
+    warnings.warn(_message, UnsupportedJaxWarning, stacklevel=2)
+
+
+@contextlib.contextmanager
+def _quiet_start_up() -> Iterator[None]:
+    """Holds back libtpu's start-up warnings (written by C++ straight to file descriptor 2)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            for line in captured.read().decode(errors="replace").splitlines(keepends=True):
+                if line.strip() and not _START_UP_NOISE.search(line):
+                    sys.stderr.write(line)
+
+
+@functools.cache
+def tpu_device(topology: str, chip_config: str):
+    """The first device of a compile-only TPU topology, e.g. ("v5e:1x1", "default") or
+    ("v4:2x2x1", "megacore"); a "megacore" device is one chip's two TensorCores as one."""
+    chips = tuple(int(n) for n in topology.split(":")[1].split("x"))
+    # libtpu takes a host-wide lock file when it starts, so that two processes do not drive one
+    # TPU. A compile-only client drives none, and the planner's compile workers each start one.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    with _quiet_start_up():
+        description = _topologies.get_topology_desc(
+            platform="tpu",
+            topology_name=topology,
+            chip_config_name=chip_config,
+            chips_per_host_bounds=(*chips, 1)[:3],
+            num_slices=1,
+            wrap=(False, False, False),
+        )
+    return description.devices[0]
+
+
+def _stablehlo(hlo_module: bytes) -> _ir.Module:
+    """A serialized HloModuleProto as a StableHLO module the TPU client accepts.
+
+    TensorFlow copies each returned value (`mhlo.copy`), which the TPU legalizer rejects; a copy
+    changes nothing a compiler can observe, so each is replaced by its operand.
+    """
+    module = _ir.Module.parse(_jax.mlir.hlo_to_stablehlo(hlo_module))
+    copies = []
+
+    def find_copies(operation) -> None:
+        for region in operation.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if inner.operation.name == "mhlo.copy":
+                        copies.append(inner)
+                    find_copies(inner.operation)
+
+    find_copies(module.operation)
+    for copy in copies:
+        copy.result.replace_all_uses_with(copy.operands[0])
+        copy.erase()
+    return module
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuCompilation:
+    """What libtpu's compiler reports for one program.
+
+    Attributes:
+      hlo_proto: the optimised program with its buffer assignment, a serialized `HloProto`.
+      argument_bytes / output_bytes / alias_bytes / temp_bytes / generated_code_bytes: the
+        compiler's memory statistics, in HBM (outputs that alias an argument count in both).
+      flops: the compiler's cost analysis of the optimised program.
+    """
+
+    hlo_proto: bytes
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    generated_code_bytes: int
+    flops: float
+
+
+# Compile options the compiler reads from the executable's build options rather than from its
+# flags: jax takes them out of the overrides by name, and wants them in these types.
+_BUILD_OPTIONS = {
+    "exec_time_optimization_effort": float,
+    "memory_fitting_effort": float,
+    "optimization_level": lambda value: _config.EffortLevel(value).value,
+    "memory_fitting_level": lambda value: _config.EffortLevel(value).value,
+}
+
+
+def compile_for_tpu(
+    hlo_module: bytes, device, compiler_flags: dict[str, str] | None = None
+) -> TpuCompilation:
+    """Compiles a serialized HloModuleProto for `device` (see `tpu_device`), running nothing.
+
+    `compiler_flags` are libtpu flags for this compilation only, e.g.
+    {"xla_tpu_max_hbm_size_mib": "8192"} (no leading dashes), or XLA's build options by name
+    ({"exec_time_optimization_effort": "-1"}, {"optimization_level": "O1"}). The buffer
+    assignment comes from a dump of the optimised module into a temporary directory, the one
+    place libtpu writes it.
+    """
+    overrides = {
+        name: _BUILD_OPTIONS.get(name, str)(value) for name, value in (compiler_flags or {}).items()
+    }
+    options = _compiler.get_compile_options(
+        1, 1, device_assignment=[device], env_options_overrides=overrides
+    )
+    with _jax_mlir.make_ir_context(), tempfile.TemporaryDirectory() as dump:
+        debug = options.executable_build_options.debug_options
+        debug.xla_dump_to = dump
+        debug.xla_dump_hlo_as_proto = True
+        debug.xla_dump_hlo_as_text = False
+        executable = device.client.compile(
+            _stablehlo(hlo_module),
+            executable_devices=_jax.DeviceList((device,)),
+            compile_options=options,
+        )
+        (optimised,) = glob.glob(os.path.join(dump, "*.after_optimizations.hlo.pb"))
+        with open(optimised, "rb") as proto:
+            hlo_proto = proto.read()
+    stats = executable.get_compiled_memory_stats()
+    cost = executable.cost_analysis()
+    return TpuCompilation(
+        hlo_proto=hlo_proto,
+        argument_bytes=stats.argument_size_in_bytes,
+        output_bytes=stats.output_size_in_bytes,
+        alias_bytes=stats.alias_size_in_bytes,
+        temp_bytes=stats.temp_size_in_bytes,
+        generated_code_bytes=stats.generated_code_size_in_bytes,
+        flops=float(cost.get("flops", 0.0)),
+    )

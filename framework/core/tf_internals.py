@@ -1,0 +1,426 @@
+"""Every private TensorFlow and Keras API the framework relies on, in one place.
+
+Public TensorFlow has no way to see or replace the ops a function creates while it is traced, to
+pause gradient recording, or to list a Keras layer's children; rematerialization needs all three.
+Each wrapper here is small and named for what it does, so a TensorFlow release that moves one of
+them breaks one function, and `SUPPORTED_TENSORFLOW` says which releases were checked.
+
+Importing this module warns (`UnsupportedTensorFlowWarning`) when the installed TensorFlow is not
+one of them. A warning, not an error: a release that moves one of these APIs fails at the wrapper
+that uses it, with TensorFlow's own error, and users trying a new release (or a TPU image's own
+build) should still be able to import the framework and run the tests that vouch for it
+(`pytest -m tf_compat`). The one override that would fail silently (Keras' gradient all-reduce, see
+`GradientsAlreadyReduced`) is checked where it is used, and raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import warnings
+from collections.abc import Callable
+
+import tensorflow as tf
+
+# XLA's protocol buffers, re-exported: the compiler IR TensorFlow returns for memory measurement is
+# an `hlo_pb2.HloProto`, but TensorFlow does not export these modules, so their path may move. The
+# same for the profiler's `xplane_pb2.XSpace`, the format of a TensorBoard profile, and for the
+# object graph a checkpoint stores (`trackable_object_graph_pb2`), read to warm start a model.
+from tensorflow.compiler.xla import xla_data_pb2 as xla_data_pb2
+from tensorflow.compiler.xla.service import hlo_pb2 as hlo_pb2
+from tensorflow.core.framework import attr_value_pb2
+from tensorflow.core.protobuf import trackable_object_graph_pb2 as trackable_object_graph_pb2
+from tensorflow.python.eager import context, record
+from tensorflow.python.framework import op_callbacks
+from tensorflow.python.ops import control_flow_v2_func_graphs
+from tensorflow.python.training.py_checkpoint_reader import CheckpointReader as CheckpointReader
+from tensorflow.tsl.profiler.protobuf import xplane_pb2 as xplane_pb2
+
+# Releases (major.minor) the test suite passed on; 2.20 is the newest TPU build (`tensorflow-tpu`).
+# Keep in step with setup.py's `tensorflow` and `tensorflow-text` ranges, .ci/run and the copy in
+# launch/tpu_pod.py (which runs where TensorFlow is not installed; a test compares the two).
+SUPPORTED_TENSORFLOW = ("2.20", "2.21")
+
+
+class UnsupportedTensorFlowWarning(UserWarning):
+    """The installed TensorFlow is not one of `SUPPORTED_TENSORFLOW`."""
+
+
+def unsupported_tensorflow_message(version: str) -> str | None:
+    """What to tell a user of TensorFlow `version` (e.g. "2.22.0-dev20260101"), or None when it is
+    a supported release."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match and f"{match[1]}.{match[2]}" in SUPPORTED_TENSORFLOW:
+        return None
+    supported = " and ".join(SUPPORTED_TENSORFLOW)
+    return (
+        f"TensorFlow {version} is installed, but this framework supports TensorFlow {supported} "
+        "only: remat and memory measurement use private TensorFlow APIs "
+        "(framework/core/tf_internals.py) that can move between releases. Install a supported "
+        "pair, "
+        f'e.g. pip install "tensorflow=={SUPPORTED_TENSORFLOW[-1]}.*" '
+        f'"tensorflow-text=={SUPPORTED_TENSORFLOW[-1]}.*", or check this release with '
+        "`python -m pytest -m tf_compat` and add it to SUPPORTED_TENSORFLOW."
+    )
+
+
+def warn_if_unsupported(version: str = tf.__version__) -> None:
+    """Warns (`UnsupportedTensorFlowWarning`) when TensorFlow `version` is not supported."""
+    message = unsupported_tensorflow_message(version)
+    if message:
+        warnings.warn(message, UnsupportedTensorFlowWarning, stacklevel=2)
+
+
+warn_if_unsupported()
+
+OpCallback = Callable[..., object]
+
+
+def add_op_callback(callback: OpCallback) -> None:
+    """Calls `callback(op_type, inputs, attrs, outputs, op_name, graph)` for each op this thread
+    creates; it may return replacement outputs (graph mode only)."""
+    op_callbacks.add_op_callback(callback)
+
+
+def remove_op_callback(callback: OpCallback) -> None:
+    op_callbacks.remove_op_callback(callback)
+
+
+def stop_recording() -> contextlib.AbstractContextManager:
+    """Pauses every gradient tape of this thread."""
+    return record.stop_recording()
+
+
+def tape_is_active() -> bool:
+    """Whether a gradient tape of this thread could record the next op."""
+    return record.could_possibly_record()
+
+
+def executing_eagerly() -> bool:
+    return context.executing_eagerly()
+
+
+def current_device() -> str:
+    """The device eager ops of this thread run on (a replica's, under a distribution strategy)."""
+    return context.context().device_name
+
+
+def runtime_started() -> bool:
+    """Whether TensorFlow already created its devices (after that, device options are fixed)."""
+    return context.context()._initialized
+
+
+def device_memory_bytes(device_type: str) -> int | None:
+    """The memory TensorFlow's allocator may use on the first local device of `device_type`
+    (about the device's total, less what the runtime keeps), or None when there is none."""
+    from tensorflow.python.client import device_lib
+
+    for device in device_lib.list_local_devices():
+        if device.device_type == device_type and device.memory_limit:
+            return int(device.memory_limit)
+    return None
+
+
+def autograph_like_caller(function: Callable) -> Callable:
+    """`function`, converted by AutoGraph if the code calling us is (as inside a `tf.function`).
+
+    Library code that calls user code is marked `do_not_convert`; this gives the user's code the
+    treatment it would get if called directly.
+    """
+    status = tf.__internal__.autograph.control_status_ctx()
+    return tf.__internal__.autograph.tf_convert(function, status)
+
+
+def update_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
+    """Rewires input `index` of an op that already exists (graph mode)."""
+    op._update_input(index, tensor)
+
+
+def add_control_input(op: tf.Operation, before: tf.Operation) -> None:
+    """Makes `op` run after `before` (graph mode), after the op was created."""
+    op._add_control_input(before)
+
+
+def creation_index(op: tf.Operation) -> int:
+    """Ops of one graph are numbered in the order they were created."""
+    return op._id
+
+
+def set_string_attr(op: tf.Operation, key: str, value: str) -> None:
+    """Attaches a string attribute to an op (read back with `op.get_attr(key)`)."""
+    op._set_attr(key, attr_value_pb2.AttrValue(s=value.encode()))
+
+
+def is_control_flow_graph(graph: tf.Graph) -> bool:
+    """Whether `graph` is the body or condition of a `tf.cond`/`tf.while_loop`/`tf.case` being
+    built (built afresh each time, never cached, unlike a `tf.function`'s graph)."""
+    return isinstance(graph, control_flow_v2_func_graphs.ControlFlowFuncGraph)
+
+
+def outer_graph(graph: tf.Graph) -> tf.Graph | None:
+    """The graph a function graph is built inside, or None for an outermost graph."""
+    return getattr(graph, "outer_graph", None)
+
+
+def outermost(tensor):
+    """The tensor a captured placeholder stands for, following captures out of nested functions.
+
+    A function graph refers to a tensor of an enclosing graph (or an eager tensor, such as a
+    variable's handle) through a placeholder of its own; this returns what is outside.
+    """
+    while True:
+        graph = getattr(tensor, "graph", None)
+        captures = getattr(graph, "captures", None)
+        if not captures:
+            return tensor
+        for external, internal in captures:
+            if internal is tensor:
+                tensor = external
+                break
+        else:
+            return tensor
+
+
+def pass_eager_captures_through_loop(graph: tf.Graph) -> None:
+    """Lets the gradient body of a `tf.while_loop` (`graph`) use the eager tensors it captured.
+
+    Code that reads a variable or an eager tensor directly (a recomputation does) captures the
+    eager value by value, but a loop's gradient body takes only captures of graph tensors that
+    it registered as loop invariants (else "... is in list of internal_captures but not in
+    internal_capture_to_output"). This re-keys each such capture to the same value seen from
+    the enclosing graph, and registers it as the body registers other outer tensors. No-op for
+    any other graph.
+    """
+    registered = getattr(graph, "internal_capture_to_output", None)
+    if registered is None:
+        return
+    from tensorflow.python.framework import ops
+
+    captures = graph._function_captures
+    for external, internal in list(graph.captures):
+        if isinstance(external, ops.EagerTensor):
+            outer = _seen_from(external, graph.outer_graph)
+            captures.pop(id(external))
+            captures.add_or_replace(key=id(outer), external=outer, internal=internal)
+            registered[ops.tensor_id(internal)] = internal
+
+
+def _seen_from(tensor, graph: tf.Graph):
+    """An eager tensor as `graph` sees it, through the gradient bodies of loops around it."""
+    pass_through = getattr(graph, "internal_capture_to_output", None) is not None
+    if pass_through and getattr(graph, "outer_graph", None) is not None:
+        return graph.capture(_seen_from(tensor, graph.outer_graph))
+    return graph.capture(tensor) if hasattr(graph, "capture") else tensor
+
+
+def trace_function(python_function: Callable, *tensors) -> tf.types.experimental.ConcreteFunction:
+    """Traces `python_function(*tensors)` into a new concrete function, every time it is called.
+
+    Tensors the function closes over become captured inputs (`captured_inputs`), visible to the
+    caller. TensorFlow warns when one Python function is traced over and over; here that is by
+    design (each trace records one call), so the warning is turned off for this function.
+    """
+    function = tf.function(python_function, autograph=False)
+    function._omit_frequent_tracing_warning = True
+    return function.get_concrete_function(*tensors)
+
+
+def flatten_layers(layer, recursive: bool) -> list:
+    """The sub-layers of a Keras layer (direct children, or all descendants)."""
+    return list(layer._flatten_layers(include_self=False, recursive=recursive))
+
+
+# Keras 3 keeps what a layer call hands down to the layers it calls in thread-local state that
+# `Layer.__call__` sets up: the call context (`training` and any other call-context argument a
+# layer registers), the autocast dtype of mixed precision, and the stack of name scopes of the
+# layers being called. A recomputation runs a layer's `call` after that call has returned, so
+# remat captures this state in the forward pass and puts it back around the recomputation.
+
+
+@dataclasses.dataclass(frozen=True)
+class KerasCallState:
+    """Keras' call state at one moment: `context` holds the call-context arguments as sorted
+    (name, value) pairs, or is None when no layer call is active; `autocast` is the dtype
+    variables are read in (mixed precision), or None."""
+
+    context: tuple | None
+    autocast: str | None
+
+
+def keras_call_state() -> KerasCallState:
+    """The Keras call state of this thread, as the next op sees it."""
+    from keras.src.backend.common import global_state
+
+    context = global_state.get_global_attribute("current_call_ctx")
+    if context is not None:
+        context = tuple(sorted((k, v) for k, v in vars(context).items() if k != "entry_layer"))
+    autocast = global_state.get_global_attribute("autocast_scope")
+    return KerasCallState(context, getattr(autocast, "dtype", None))
+
+
+@contextlib.contextmanager
+def keras_call_state_entered(state: KerasCallState):
+    """Runs the block in `state`, as if inside the layer call it was captured in; the state
+    before comes back afterwards. Layers called in the block take `training` from it, and none
+    of them ends the call context (its entry layer is none of theirs)."""
+    from keras.src.backend.common import global_state
+    from keras.src.backend.common.variables import AutocastScope
+    from keras.src.layers.layer import CallContext
+
+    previous = {
+        name: global_state.get_global_attribute(name)
+        for name in ("current_call_ctx", "autocast_scope")
+    }
+    context = None
+    if state.context is not None:
+        context = CallContext(entry_layer=None)
+        for name, value in state.context:
+            context.set_value(name, value)
+    global_state.set_global_attribute("current_call_ctx", context)
+    autocast = None if state.autocast is None else AutocastScope(state.autocast)
+    global_state.set_global_attribute("autocast_scope", autocast)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            global_state.set_global_attribute(name, value)
+
+
+def keras_layer_path() -> tuple[str, ...]:
+    """The names of the Keras layers being called in this thread, outermost first."""
+    from keras.src.backend.common import global_state
+
+    stack = global_state.get_global_attribute("name_scope_stack") or ()
+    return tuple(scope.name for scope in stack)
+
+
+def keras_mask(tensor):
+    """The Keras mask attached to `tensor` (`Embedding(mask_zero=True)`, `Masking`), or None."""
+    return getattr(tensor, "_keras_mask", None)
+
+
+def set_keras_mask(tensor, mask) -> None:
+    """Attaches `mask` to `tensor` as Keras layers attach and read it."""
+    from keras.src.backend.common.masking import set_keras_mask as set_mask
+
+    set_mask(tensor, mask)
+
+
+# A Keras functional model (and a Sequential one, which holds one) runs its layer graph node by
+# node in `_run_through_graph`; remat replaces that runner on the instance to run spans of the
+# graph as checkpointed regions (`remat.segments`).
+
+
+@dataclasses.dataclass
+class FunctionalGraph:
+    """What remat needs of a functional model's graph: its computing nodes in the order Keras
+    runs them, its input and output Keras tensors, Keras' own runner and output packing."""
+
+    model: object  # the keras.Functional that owns the graph
+    nodes: list
+    inputs: list
+    outputs: list
+
+    def run(self, inputs, operation_fn, call_fn=None):
+        return type(self.model)._run_through_graph(self.model, inputs, operation_fn, call_fn)
+
+    def pack_outputs(self, values: list):
+        import keras
+
+        return keras.tree.pack_sequence_as(self.model._outputs_struct, values)
+
+
+def _functional(model):
+    """The keras.Functional behind `model` (itself, or a Sequential's), or None."""
+    from keras.src.models.functional import Functional
+
+    if isinstance(model, Functional):
+        return model
+    inner = getattr(model, "_functional", None)
+    return inner if isinstance(inner, Functional) else None
+
+
+def is_functional(model) -> bool:
+    """Whether `model` runs a graph of layers (functional, or a Sequential built on an Input)."""
+    return _functional(model) is not None
+
+
+def functional_graph(model) -> FunctionalGraph:
+    functional = _functional(model)
+    nodes = []
+    for depth in sorted(functional._nodes_by_depth, reverse=True):
+        for node in functional._nodes_by_depth[depth]:
+            if node.operation and not node.is_input:
+                nodes.append(node)
+    return FunctionalGraph(functional, nodes, list(functional.inputs), list(functional.outputs))
+
+
+def run_node(node, values: dict, context: tuple = ()) -> None:
+    """Calls the node's layer on its arguments taken from `values` (Keras tensor id -> value)
+    and stores its outputs there. `context` holds the (name, value) call-context arguments of
+    the model's call (`training`): as Keras' own runner does, they replace what the node
+    recorded when the graph was built (`training=False`, the default then)."""
+    import keras
+
+    args, kwargs = node.arguments.fill_in(values)
+    accepted = getattr(node.operation, "_call_context_args", ())
+    kwargs.update((k, v) for k, v in context if k in accepted and v is not None)
+    outputs = node.operation(*args, **kwargs)
+    values.update(zip((id(t) for t in node.outputs), keras.tree.flatten(outputs)))
+
+
+def is_functional_call_operation(operation_fn) -> bool:
+    """Whether `operation_fn`, handed to a functional model's graph runner, is the one its own
+    `call` passes (which adds `training` to each layer call), not another caller's
+    (`clone_model`'s, `compute_output_spec`'s)."""
+    return getattr(operation_fn, "__qualname__", "").startswith("Functional.call.")
+
+
+def functional_runner(model):
+    """The graph runner installed on `model` by `set_functional_runner`, or None."""
+    return _functional(model).__dict__.get("_run_through_graph")
+
+
+def set_functional_runner(model, runner) -> None:
+    """Runs the model's graph with `runner(inputs, operation_fn, call_fn)`, or Keras' (None)."""
+    functional = _functional(model)
+    if runner is None:
+        functional.__dict__.pop("_run_through_graph", None)
+    else:
+        object.__setattr__(functional, "_run_through_graph", runner)
+
+
+def is_jit_compiled(function: Callable) -> bool:
+    """Whether `function` is a `tf.function(jit_compile=True)` (no public accessor says so)."""
+    return bool(getattr(function, "_jit_compile", False))
+
+
+# Keras' TensorFlow optimizer sums gradients over replicas in this method before it applies them.
+_KERAS_ALL_REDUCE = "_all_reduce_sum_gradients"
+
+
+class GradientsAlreadyReduced:
+    """Mixin, before a Keras optimizer class, for callers that sum gradients over replicas
+    themselves (to clip by the norm of the sum): Keras would otherwise sum them a second time.
+
+    If Keras renamed the method, the override would be ignored and gradients silently multiplied
+    by the number of replicas (Adam hides it, SGD does not), so defining a subclass whose Keras
+    base lacks the method raises instead.
+    """
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        bases = cls.__mro__[cls.__mro__.index(GradientsAlreadyReduced) + 1 :]
+        if not any(_KERAS_ALL_REDUCE in vars(base) for base in bases):
+            import keras  # already imported: a Keras optimizer is among the bases
+
+            raise TypeError(
+                f"{cls.__name__}: no base class defines {_KERAS_ALL_REDUCE}, which "
+                f"GradientsAlreadyReduced replaces: Keras {keras.__version__} sums gradients "
+                "over replicas elsewhere. Update framework/core/tf_internals.py for it, or install "
+                f"the Keras that TensorFlow {SUPPORTED_TENSORFLOW[-1]} installs."
+            )
+
+    def _all_reduce_sum_gradients(self, grads_and_vars: list) -> list:
+        return grads_and_vars

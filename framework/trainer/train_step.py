@@ -1,0 +1,247 @@
+"""The training and evaluation steps, as functions of a model, an optimizer, a batch and settings.
+
+The per-replica forward and backward pass is one XLA program (`jit_compile=True`), traced inside
+`strategy.run` so each replica compiles against its own variables (one trace shared by the
+replicas reads replica 0's variables from the other devices, and fails). Gradients are then
+summed across replicas once, clipped by their global norm and applied. A host loop runs
+`num_steps` steps in one `tf.function` over `tf.range`, so Python is entered once per loop.
+
+With `microbatches > 1` each replica's batch is cut into that many micro-batches whose gradients
+are summed inside the compiled program (as t5x accumulates them), so activations are held for one
+micro-batch at a time: the way to a large global batch when memory is the limit. The loss is a
+weighted sum divided by the global weight once, so the gradients equal those of the whole batch.
+
+Nothing here knows about checkpoints, summaries or gin: the trainer composes these functions, and
+the planner and the benchmarks compile the same step without a trainer.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+
+import keras
+import tensorflow as tf
+
+from framework.trainer.losses import LossFn, cross_entropy, label_classes
+
+# What a train loop returns, summed over its steps (the norm too: divide by the steps).
+TRAIN_SUMS = ("loss_sum", "correct", "count", "grad_norm")
+EVAL_SUMS = ("loss_sum", "correct", "count")
+
+
+def unpack(batch) -> tuple:
+    """(inputs, labels, weights) of a batch given as (inputs, labels) or (inputs, labels,
+    weights); weights are float32 ones when absent, one per label (class probabilities
+    [..., C] are one label)."""
+    inputs, labels, weights = batch if len(batch) == 3 else (*batch, None)
+    if weights is None:
+        weights = tf.ones(tf.shape(label_classes(labels)))
+    weights = tf.cast(weights, tf.float32)
+    return inputs, labels, weights
+
+
+def batch_sums(
+    model: keras.Model, batch, loss_fn: LossFn = cross_entropy, training: bool = False
+) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """Weighted sums of the loss, of correct predictions and of the weights over one batch.
+
+    Labels may have any rank (one per image, or one per token), as class ids or class
+    probabilities (`losses.label_classes`); a weight of 0 leaves a label out (padding).
+    """
+    inputs, labels, weights = unpack(batch)
+    logits = tf.cast(model(inputs, training=training), tf.float32)
+    losses = loss_fn(logits, labels)
+    classes = label_classes(labels)
+    hits = tf.equal(tf.argmax(logits, -1, output_type=classes.dtype), classes)
+    return (
+        tf.reduce_sum(losses * weights),
+        tf.reduce_sum(tf.cast(hits, tf.float32) * weights),
+        tf.reduce_sum(weights),
+    )
+
+
+def _batch_gradients(model: keras.Model, batch, loss_fn: LossFn):
+    variables = model.trainable_variables
+    with tf.GradientTape() as tape:
+        sums = batch_sums(model, batch, loss_fn, training=True)
+    grads = tape.gradient(sums[0], variables)
+    # Dense and never None, so micro-batch sums and the all-reduce see one structure.
+    grads = [
+        tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+        for g, v in zip(grads, variables, strict=True)
+    ]
+    return sums, grads
+
+
+def split_batch(batch, microbatches: int):
+    """The batch as `microbatches` micro-batches stacked on a new leading axis."""
+
+    def split(x: tf.Tensor) -> tf.Tensor:
+        size = x.shape[0]
+        if size is None or size % microbatches:
+            raise ValueError(
+                f"a replica's batch of {size} examples does not split into "
+                f"Trainer.microbatches = {microbatches} equal micro-batches"
+            )
+        return tf.reshape(x, [microbatches, size // microbatches, *x.shape[1:]])
+
+    return tf.nest.map_structure(split, batch)
+
+
+def gradients(model: keras.Model, batch, loss_fn: LossFn = cross_entropy, microbatches: int = 1):
+    """One replica's forward and backward pass: ((loss_sum, correct, count), gradients of the
+    loss sum), summed over `microbatches` micro-batches run one after the other."""
+    if microbatches == 1:
+        return _batch_gradients(model, batch, loss_fn)
+    stacked = split_batch(batch, microbatches)
+    zeros = (
+        (tf.constant(0.0), tf.constant(0.0), tf.constant(0.0)),
+        [tf.zeros(v.shape, v.dtype) for v in model.trainable_variables],
+    )
+
+    def body(i, sums, grads):
+        part = tf.nest.map_structure(lambda x: x[i], stacked)
+        more_sums, more_grads = _batch_gradients(model, part, loss_fn)
+        return (
+            i + 1,
+            tuple(a + b for a, b in zip(sums, more_sums, strict=True)),
+            [a + b for a, b in zip(grads, more_grads, strict=True)],
+        )
+
+    _, sums, grads = tf.while_loop(lambda i, *_: i < microbatches, body, (0, *zeros))
+    return sums, grads
+
+
+def compiled_gradients(
+    model: keras.Model,
+    loss_fn: LossFn = cross_entropy,
+    microbatches: int = 1,
+    traces: collections.Counter | None = None,
+) -> Callable:
+    """`gradients` as one XLA program; `traces["train_step"]` counts its traces."""
+
+    def forward_backward(batch):
+        if traces is not None:
+            traces["train_step"] += 1
+        return gradients(model, batch, loss_fn, microbatches)
+
+    return tf.function(forward_backward, jit_compile=True)
+
+
+def apply_gradients(
+    optimizer: keras.optimizers.Optimizer,
+    variables: list,
+    grads: list,
+    count: tf.Tensor,
+    clip_norm: float | None,
+) -> tf.Tensor:
+    """In a replica context: sums gradients and weights over replicas in one all-reduce, takes
+    the mean, clips it by its global norm and applies it; returns the norm before clipping."""
+    grads, total = tf.distribute.get_replica_context().all_reduce(
+        tf.distribute.ReduceOp.SUM, (grads, count)
+    )
+    grads = [g / tf.maximum(total, 1.0) for g in grads]
+    norm = tf.linalg.global_norm(grads)
+    if clip_norm:
+        grads, _ = tf.clip_by_global_norm(grads, clip_norm, use_norm=norm)
+    optimizer.apply(grads, variables)
+    return norm
+
+
+def make_train_loop(
+    strategy: tf.distribute.Strategy,
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer,
+    *,
+    loss_fn: LossFn = cross_entropy,
+    clip_norm: float | None = None,
+    microbatches: int = 1,
+    traces: collections.Counter | None = None,
+) -> Callable[[object, tf.Tensor], tf.Tensor]:
+    """A `tf.function(iterator, num_steps)` that runs `num_steps` steps and returns the sums
+    named by `TRAIN_SUMS` over them."""
+
+    def replica_step(batch):
+        # Created here, inside the replica function, so each replica traces its own program.
+        forward_backward = compiled_gradients(model, loss_fn, microbatches, traces)
+        (loss_sum, correct, count), grads = forward_backward(batch)
+        norm = apply_gradients(optimizer, model.trainable_variables, grads, count, clip_norm)
+        return loss_sum, correct, count, norm
+
+    def train_loop(iterator, num_steps):
+        totals = tf.zeros([len(TRAIN_SUMS)])
+        for _ in tf.range(num_steps):
+            *sums, norm = strategy.run(replica_step, args=(next(iterator),))
+            norm = strategy.experimental_local_results(norm)[0]  # the same on every replica
+            totals += tf.stack([*(_sum(strategy, x) for x in sums), norm])
+        return totals
+
+    return tf.function(train_loop)
+
+
+def make_eval_loop(
+    strategy: tf.distribute.Strategy, model: keras.Model, *, loss_fn: LossFn = cross_entropy
+) -> Callable[[object], tf.Tensor]:
+    """A `tf.function(dataset)` that returns the sums named by `EVAL_SUMS` over the dataset."""
+
+    def replica_step(batch):
+        return tf.function(
+            lambda b: batch_sums(model, b, loss_fn, training=False), jit_compile=True
+        )(batch)
+
+    def eval_loop(dataset):
+        totals = tf.zeros([len(EVAL_SUMS)])
+        for batch in dataset:
+            sums = strategy.run(replica_step, args=(batch,))
+            totals += tf.stack([_sum(strategy, x) for x in sums])
+        return totals
+
+    return tf.function(eval_loop)
+
+
+def loop_metrics(
+    sums,
+    num_steps: int,
+    seconds: float,
+    *,
+    global_batch_size: int,
+    learning_rate: float,
+    peak_bytes: int | None = None,
+    flops: tuple[float, float | None] | None = None,
+) -> dict[str, float]:
+    """A host loop's metrics from the sums its train loop returned (`TRAIN_SUMS`) and its time;
+    `flops` is (model FLOPs per step, peak FLOP/s of all devices or None)."""
+    loss_sum, correct, count, norm_sum = sums
+    metrics = {
+        "loss": loss_sum / count,
+        "accuracy": correct / count,
+        "grad_norm": norm_sum / num_steps,
+        "learning_rate": learning_rate,
+        "steps_per_sec": num_steps / seconds,
+        "examples_per_sec": num_steps * global_batch_size / seconds,
+        "targets_per_sec": count / seconds,
+    }
+    if peak_bytes is not None:
+        metrics["peak_memory_mib"] = peak_bytes / 2**20
+    if flops is not None:
+        flops_per_step, peak = flops
+        metrics["tflops_per_sec"] = flops_per_step * num_steps / seconds / 1e12
+        if peak:
+            metrics["mfu"] = flops_per_step * num_steps / seconds / peak
+    return metrics
+
+
+def _sum(strategy: tf.distribute.Strategy, per_replica) -> tf.Tensor:
+    return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+
+def make_finite_check(variables: list) -> Callable[[], tf.Tensor]:
+    """A `tf.function()` telling whether every floating-point value of `variables` is finite:
+    one reduction on the device, cheap next to a step."""
+    floating = [v for v in variables if tf.as_dtype(v.dtype).is_floating]
+
+    def finite():
+        return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in floating]))
+
+    return tf.function(finite)

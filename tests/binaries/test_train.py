@@ -1,0 +1,346 @@
+"""`python -m framework.train`: flags, gin, the run record, and one-line errors for bad input."""
+
+import concurrent.futures
+import errno
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import gin
+import pytest
+import tensorflow as tf
+
+from framework import cli, train
+from framework.data import text
+from framework.trainer import settings, trainer
+from tests.subprocesses import REPO_DIR, child_env, command, run_binary
+
+TINY_RUN = [
+    "--gin_file=quickstart.gin",
+    "--gin.Trainer.train_steps=4",
+    "--gin.Trainer.steps_per_loop=2",
+    "--gin.Trainer.global_batch_size=8",
+    "--gin.data.shapes.image_size=8",
+    "--gin.data.shapes.eval_examples=16",
+    "--gin.models.VisionTransformer.image_size=8",
+    "--gin.models.VisionTransformer.depth=1",
+    "--gin_param=models.VisionTransformer.dim = 16",
+    "--gin_bindings=models.VisionTransformer.mlp_dim = 16",
+    "--gin.Trainer.count_flops=False",
+]
+
+
+# Runs the binary with files limited to 16 KiB, as a full disk would: a write past the limit fails
+# with EFBIG (SIGXFSZ, which would kill the process, is ignored). The run record and summaries
+# fit, the first checkpoint does not. An rlimit needs no root, and no preexec_fn in this threaded
+# process.
+FILE_SIZE_LIMITED = """
+import os, resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))
+os.execv(sys.executable, [sys.executable, "-m", "framework.train", *sys.argv[1:]])
+"""
+
+
+# Runs the binary with SIGINT at its default, which Python turns into KeyboardInterrupt: a test
+# run started in the background of a shell would otherwise pass its ignored SIGINT on.
+SIGINT_DEFAULT = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+os.execv(sys.executable, [sys.executable, "-m", "framework.train", *sys.argv[1:]])
+"""
+
+
+def the_error_line(stderr: str) -> str:
+    """The one `error:` line of a failed run (and that there is no traceback)."""
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    return lines[0]
+
+
+def checksums(directory) -> dict[str, str]:
+    return {
+        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in directory.rglob("*")
+        if path.is_file()
+    }
+
+
+@pytest.mark.slow
+def test_run_writes_config_command_checkpoints_and_resumes(tmp_path):
+    first = run_binary(*TINY_RUN, f"--model_dir={tmp_path}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    config = (tmp_path / "config.gin").read_text()
+    assert "Trainer.train_steps = 4" in config and "VisionTransformer.dim = 16" in config
+    assert "--gin.Trainer.train_steps=4" in (tmp_path / "command").read_text()
+    assert "step 4/4" in first.stderr and "eval at step 4" in first.stderr
+    second = run_binary(*TINY_RUN, "--gin.Trainer.train_steps=6", f"--model_dir={tmp_path}")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "restored step 4" in second.stderr and "step 6/6" in second.stderr
+    assert list(tmp_path.glob("config-*.gin")), "the first run's config.gin was not kept"
+
+
+@pytest.mark.slow
+def test_multi_gpu_launcher_writes_a_relative_model_dir_where_it_is_started(tmp_path):
+    """From another directory, --model_dir=runs/x is that directory's runs/x (on a machine
+    without GPUs the launcher trains mirrored on the CPU, with a warning)."""
+    run = subprocess.run(
+        ["bash", str(REPO_DIR / "launch" / "multi_gpu.sh"), *TINY_RUN, "--model_dir=runs/x"],
+        cwd=tmp_path,
+        env=child_env({"PYTHONPATH": None}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "mirrored" in run.stderr and "step 4/4" in run.stderr
+    assert tf.train.latest_checkpoint(tmp_path / "runs" / "x" / "checkpoints").endswith("ckpt-4")
+    assert not (REPO_DIR / "runs" / "x").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gin.Trainer.train_steps"], "should look like --gin.NAME=VALUE"),
+        (["--mode=sing"], "flag --mode=sing: value should be one of"),
+        (["--nope=1"], "Unknown command line flag 'nope'"),
+    ],
+)
+def test_bad_input_is_one_line_and_leaves_the_model_dir_alone(args, message, tmp_path):
+    (tmp_path / "empty.gin").write_text("")
+    earlier = tmp_path / "run"  # an earlier run's record, which a bad config must not replace
+    (earlier / "checkpoints").mkdir(parents=True)
+    (earlier / "config.gin").write_text("Trainer.train_steps = 4\n")
+    (earlier / "checkpoints" / "checkpoint").write_text("precious")
+    before = checksums(earlier)
+    args = [arg.format(tmp=tmp_path) for arg in args]
+    if not any(arg.startswith("--model_dir") for arg in args):
+        args.append(f"--model_dir={earlier}")
+    result = run_binary(*TINY_RUN[1:], *args)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert message in the_error_line(result.stderr)
+    assert checksums(earlier) == before
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gin_file={tmp}/empty.gin"], "does not set Trainer.model_fn or Trainer.dataset_fn"),
+        (["--gin.Trainer.no_such_setting=1"], "bad gin configuration"),
+        (["--gin.Runtime.strategy='tpu_v9'"], "unknown strategy"),
+        (["--gin_file=missing.gin"], "gin file 'missing.gin' not found"),
+        (["--gin.Trainer.learning_rate='fast'"], "Trainer.learning_rate must be a positive number"),
+        (["--model_dir=/proc/not_writable"], "not writable"),
+        (
+            [  # a fresh model_dir: the run lock is taken before the data set is built
+                "--gin_file=lm_quickstart.gin",
+                "--gin.data.TextCorpus.files=['docs']",
+                "--gin.data.TextCorpus.vocab_path='{tmp}/vocab.txt'",
+                "--model_dir={tmp}/lm",
+            ],
+            "TextCorpus.files: 'docs' is a directory",
+        ),
+        (  # no network here (or no such bucket): one line that says what to check
+            ["--model_dir=gs://framework-tests-no-such-bucket/run"],
+            "check the network, the bucket's name and that these credentials may write",
+        ),
+    ],
+)
+def test_a_bad_config_stops_before_anything_is_written(args, message, tmp_path):
+    """In this process (the one-line report of a UsageError is the subprocess tests' part)."""
+    (tmp_path / "empty.gin").write_text("")
+    model_dir = (
+        [] if any(a.startswith("--model_dir") for a in args) else [f"--model_dir={tmp_path}/run"]
+    )
+    argv = ["train", *TINY_RUN[1:], *model_dir, *args]
+    gin.clear_config()
+    try:
+        train.FLAGS(cli.rewrite_gin_shorthand([arg.format(tmp=tmp_path) for arg in argv]))
+        with pytest.raises(cli.UsageError, match=re.escape(message)):
+            train.main(["train"])
+    finally:
+        train.FLAGS.unparse_flags()
+        gin.clear_config()
+    for run in (tmp_path / "run", tmp_path / "lm"):  # made by the writability check
+        leftovers = [p.name for p in run.iterdir()] if run.exists() else []
+        assert set(leftovers) <= {"LOCK"}, leftovers  # a released lock at most
+
+
+@pytest.mark.slow
+def test_gin_file_is_required_to_name_a_model_dir():
+    result = run_binary("--gin_file=quickstart.gin")
+    assert result.returncode == 2 and "--model_dir is required" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_one_line(tmp_path):
+    result = run_binary(*TINY_RUN, f"--model_dir={tmp_path}", launcher=("-c", FILE_SIZE_LIMITED))
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = the_error_line(result.stderr)
+    assert re.search(r"cannot write \S+: File too large\. Free disk space", line), line
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path):
+    args = [
+        *TINY_RUN,
+        "--gin.Trainer.train_steps=100000",
+        "--gin.Trainer.checkpoint_every=100000",  # only the interrupt saves
+        "--mode=train",
+        f"--model_dir={tmp_path}",
+    ]
+    proc = subprocess.Popen(
+        command(*args, launcher=("-c", SIGINT_DEFAULT)),
+        cwd=REPO_DIR,
+        env=child_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    watchdog = threading.Timer(300, proc.kill)
+    watchdog.start()
+    try:
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if re.search(r"\] step \d+/100000", line):
+                proc.send_signal(signal.SIGINT)
+                break
+        stderr = "".join(seen) + proc.communicate()[1]
+    finally:
+        watchdog.cancel()
+    assert proc.returncode == 130, stderr[-3000:]
+    step = re.search(r"interrupted at step (\d+); saved ", the_error_line(stderr)).group(1)
+    assert (tmp_path / "checkpoints" / f"ckpt-{step}.index").exists()
+
+
+@pytest.mark.parametrize(
+    "setting, value, message",
+    [
+        ("train_steps", "ten", "Trainer.train_steps must be a positive integer, got 'ten'"),
+        ("train_steps", 4.5, "Trainer.train_steps must be a positive integer, got 4.5"),
+        ("learning_rate", -1, "Trainer.learning_rate must be a positive number, got -1"),
+        ("eval_every", 0, "Trainer.eval_every must be a positive integer or None, got 0"),
+        ("weight_decay", "0.1", "Trainer.weight_decay must be a non-negative number, got '0.1'"),
+        ("clip_norm", float("inf"), "Trainer.clip_norm must be a positive number or None"),
+    ],
+)
+def test_trainer_settings_are_checked_before_anything_is_built(setting, value, message, tmp_path):
+    with pytest.raises((TypeError, ValueError), match=re.escape(message)):
+        trainer.Trainer(str(tmp_path / "run"), model_fn=None, dataset_fn=None, **{setting: value})
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_full_disk_and_device_memory_are_told_apart():
+    def message(error):
+        return train.out_of_resources(error, "/runs/a")
+
+    full = tf.errors.ResourceExhaustedError(None, None, "/runs/a/x.tmp; No space left on device")
+    assert message(full).startswith("cannot write /runs/a/x.tmp: No space left on device.")
+    too_large = OSError(errno.EFBIG, "File too large")
+    assert message(too_large).startswith("cannot write to /runs/a: File too large.")
+    oom = message(tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor"))
+    assert oom.startswith("out of device memory: OOM when allocating tensor. Try a remat policy")
+    assert "global_batch_size" in oom and "framework.planner" in oom
+    assert message(OSError(errno.EACCES, "Permission denied")) is None
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("import os", "line 1: 'import os': a run's config is read without running its imports"),
+        ("include 'other.gin'", "line 1: \"include 'other.gin'\": a run's config is read"),
+        ("Trainer.model_fn = @mine.model", "No configurable matching reference '@mine.model'"),
+    ],
+)
+def test_a_run_config_is_read_with_the_projects_names_only(line, message):
+    gin.clear_config()
+    try:
+        with pytest.raises(cli.UsageError, match=re.escape(message)):
+            cli.parse_run_config(f"{line}\nTrainer.train_steps = 4\n", "run/config.gin")
+    finally:
+        gin.clear_config()
+
+
+def test_gin_shorthand_becomes_bindings():
+    rewritten = cli.rewrite_gin_shorthand(["prog", "--gin.A.b=3", "--mode=train"])
+    assert rewritten == ["prog", "--gin_bindings=A.b = 3", "--mode=train"]
+
+
+def test_binding_names_are_checked_against_the_signature():
+    assert cli.binding_name(settings.TrainerSettings, "remat_policy") == "Trainer.remat_policy"
+    assert cli.binding_name(text.TextCorpus, "vocab_path", "data") == "data.TextCorpus.vocab_path"
+    with pytest.raises(TypeError, match="Trainer has no parameter 'remat'"):
+        cli.binding_name(settings.TrainerSettings, "remat")
+
+
+def console_command(name: str) -> tuple[str]:
+    """The installed console command's script (pip puts it beside the interpreter)."""
+    script = os.path.join(os.path.dirname(sys.executable), name)
+    assert os.path.exists(script), f"{name} is not installed: pip install -e ."
+    return (script,)
+
+
+def listed_flags(help_text: str) -> set[str]:
+    return set(re.findall(r"^  (?:-\w,)?(--[a-z_]+):", help_text, re.M))
+
+
+HELP_CASES = {
+    "framework.train": ["--gin_file", "--gin_bindings", "--model_dir", "--check_determinism"],
+    "framework.planner": ["--gin_file", "--memory_budget", "--batch_sizes", "--target"],
+    "framework.sample": ["--model_dir", "--prompt", "--max_tokens", "--verbosity"],
+    "framework.export": ["--model_dir", "--export_dir", "--checkpoint"],
+}
+
+
+@pytest.mark.slow
+def test_help_lists_the_flags_of_each_binary_and_only_those():
+    """`python -m`, the installed console command and the planner's old name `framework.plan`
+    print the same flags: the binary's own and those it shares, nothing else."""
+    launchers = {
+        (module, how): launcher
+        for module in HELP_CASES
+        for how, launcher in [
+            ("-m", ("-m", module)),
+            ("console", console_command(module.replace(".planner", ".plan").replace(".", "-"))),
+        ]
+    }
+    launchers["framework.planner", "alias"] = ("-m", "framework.plan")
+    # All at once: each is a Python start-up and absl, no TensorFlow.
+    with concurrent.futures.ThreadPoolExecutor(len(launchers)) as pool:
+        results = dict(
+            zip(launchers, pool.map(lambda a: run_binary("--help", launcher=a), launchers.values()))
+        )
+    for (module, how), result in results.items():
+        assert result.returncode == 0, (module, how, result.stderr[-2000:])
+        listed = listed_flags(result.stdout)
+        assert set(HELP_CASES[module]) <= listed, (module, how, result.stdout)
+        assert ("--policies" in listed) == (module in ("framework.train", "framework.planner"))
+        assert listed == listed_flags(results[module, "-m"].stdout), (module, how)
+        usage = results[module, "-m"].stdout.split("flags:")[0].split("\n", 2)[-1]
+        assert usage.strip() and usage in result.stdout, (module, how)  # the binary's docstring
+        assert "oneDNN" not in result.stdout + result.stderr  # no TensorFlow was loaded
+    assert "framework.plan is the planner" in results["framework.planner", "alias"].stderr
+
+
+@pytest.mark.slow
+def test_print_config_prints_the_operative_config_and_trains_nothing(tmp_path):
+    result = run_binary(*TINY_RUN, "--print_config", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Trainer.train_steps = 4" in result.stdout
+    assert "Runtime.strategy = 'one_device'" in result.stdout  # defaults too: the operative config
+    assert not list(tmp_path.iterdir())
+
+
+def test_parse_gin_finds_files_on_the_search_path():
+    gin.clear_config()
+    try:
+        cli.parse_gin(["vit_b16.gin"], [], [str(cli.CONFIGS_DIR)])
+        assert gin.query_parameter("Trainer.global_batch_size") == 8
+    finally:
+        gin.clear_config()

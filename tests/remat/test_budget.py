@@ -1,0 +1,148 @@
+"""The memory-budget policy: what it keeps, within its budget, in a fixed order, with exact
+gradients under dropout, and its errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from framework import remat
+from framework.remat import policies
+from tests.remat.test_remat import TOL, Block, make_stack, rel_err, reset_seeds, stack_step
+
+
+def _op(op_type, shapes, dtypes=None, input_shapes=(), attrs=(), random=False):
+    dtypes = dtypes or (tf.float32,) * len(shapes)
+    return policies.OpInfo(
+        op_type, tuple(shapes), tuple(dtypes), attrs=attrs, input_shapes=input_shapes, random=random
+    )
+
+
+def test_recompute_flops_count_products_exactly_and_the_rest_per_value():
+    matmul = _op("MatMul", [(8, 32)], input_shapes=((8, 64), (64, 32)))
+    assert policies.recompute_flops(matmul) == 2 * 8 * 32 * 64
+    equation = tf.compat.v1.AttrValue(s=b"bqhd,bkhd->bhqk")
+    attention = _op(
+        "Einsum",
+        [(2, 4, 16, 16)],
+        input_shapes=((2, 16, 4, 8), (2, 16, 4, 8)),
+        attrs=("equation", equation),
+    )
+    assert policies.recompute_flops(attention) == 2 * (2 * 4 * 16 * 16) * 8
+    conv = _op("Conv2D", [(1, 8, 8, 16)], input_shapes=((1, 8, 8, 3), (3, 3, 3, 16)))
+    assert policies.recompute_flops(conv) == 2 * (8 * 8 * 16) * 27
+    assert policies.recompute_flops(_op("Tanh", [(4, 4)])) == 16
+    mask = _op("GreaterEqual", [(4, 8)], [tf.bool], random=True)
+    assert policies.recompute_flops(mask) == policies.RANDOM_FLOPS_PER_VALUE * 32
+    assert policies.kept_bytes(mask) == 4  # one bit per value
+    assert policies.recompute_flops(_op("Reshape", [(4, 4)])) == 0
+    assert policies.recompute_flops(_op("StridedSlice", [()], [tf.int32])) == 0
+
+
+def test_select_keeps_the_most_flops_per_byte_within_the_budget():
+    ops = [
+        _op("Mul", [(64, 64)]),  # 4096 FLOPs for 16 KiB
+        # ViT-B's widest product (contracting 3072): 1536 FLOPs per byte kept.
+        _op("MatMul", [(64, 64)], input_shapes=((64, 3072), (3072, 64))),  # 25 MFLOPs, 16 KiB
+        # A keep mask's redraw outweighs it per byte (8000 FLOPs per byte, kept as bits).
+        _op("GreaterEqual", [(64, 64)], [tf.bool], random=True),  # 4.1 MFLOPs for 512 B
+        _op("Softmax", [(64, 64)]),
+        _op("Add", [(64, 64)]),
+    ]
+    # No gradient reads the product's output (its consumer is a bias add, say) nor the Add's:
+    # the product is still worth keeping (the recomputation skips it), the Add is not.
+    read = [True, False, True, True, False]
+    assert policies.MemoryBudget(0.0).select(ops, read) == {}
+    # The whole is what the gradients read: the Mul, the mask and the Softmax (33280 bytes).
+    assert list(policies.MemoryBudget(0.55).select(ops, read)) == [2, 1]  # mask, then product
+    assert list(policies.MemoryBudget(1.0).select(ops, read)) == [2, 1, 0]  # ties: earlier op
+    for fraction in np.linspace(0, 1, 11):
+        assert 4 not in policies.MemoryBudget(fraction).select(ops, read)  # never the Add
+    whole = sum(policies.kept_bytes(op) for op, r in zip(ops, read, strict=True) if r)
+    for fraction in np.linspace(0, 1, 11):
+        kept = policies.MemoryBudget(fraction).select(ops, read)
+        assert sum(policies.kept_bytes(ops[i]) for i in kept) <= fraction * whole
+
+
+class _Recorded(policies.MemoryBudget):
+    """A budget that also notes, per region, the bytes of the whole and of what it kept."""
+
+    def select(self, ops, read):
+        kept = super().select(ops, read)
+        whole = sum(policies.kept_bytes(op) for op, r in zip(ops, read, strict=True) if r)
+        self.regions.append((whole, sum(policies.kept_bytes(ops[i]) for i in kept)))
+        return kept
+
+
+def _kept(blk, x, policy):
+    remat.checkpoint(blk, policy)
+    rows = remat.saved_residuals(lambda x: tf.reduce_sum(blk(x, training=True) ** 2), x)
+    return [r for r in rows if ", kept by budget" in r.origin]
+
+
+def test_kept_bytes_grow_with_the_fraction_and_stay_within_it():
+    blocks, x = make_stack(n=1)
+    blk = blocks[0]
+    kept, regions = {}, {}
+    for fraction in (0.0, 0.1, 0.3, 0.6, 1.0):
+        policy = _Recorded(fraction)
+        object.__setattr__(policy, "regions", [])
+        kept[fraction] = _kept(blk, x, policy)
+        regions[fraction] = policy.regions
+    # By the policy's own count: each region keeps at most its fraction of what its backward
+    # pass reads (the residual report adds padding of masks to 32-bit words).
+    for fraction, counts in regions.items():
+        assert counts and all(k <= fraction * whole for whole, k in counts), (fraction, counts)
+    total = {f: sum(r.bytes for r in rows) for f, rows in kept.items()}
+    assert total[0.0] == 0
+    assert total[0.1] < total[0.3] < total[0.6] < total[1.0], total
+    # The masks (8000 FLOPs per byte) come first, and every kept value says why it was kept.
+    assert any("GreaterEqual" in r.origin for r in kept[0.1])
+    assert all("FLOPs/byte" in r.origin for r in kept[0.3])
+    # The same model keeps the same values.
+    again, _ = make_stack(n=1)
+
+    def picks(rows):  # what was kept, without the layers' instance names
+        return [(r.origin.split(" (")[0], r.shape, r.bytes) for r in rows]
+
+    assert picks(_kept(again[0], x, "budget:0.3")) == picks(kept[0.3])
+    remat.checkpoint(blk, None)
+
+
+@pytest.mark.parametrize(
+    "mode, fractions",
+    [("eager", (0.0, 0.3, 1.0)), pytest.param("xla", (0.3,), marks=pytest.mark.tf_compat)],
+)
+def test_budget_gradients_match_no_remat_with_dropout(mode, fractions):
+    blocks, _ = make_stack(n=1)
+    x = tf.random.normal((2, 8, 16), seed=11)
+    reset_seeds(blocks)
+    want = stack_step(blocks, mode)(x)
+    for fraction in fractions:
+        for blk in blocks:
+            remat.checkpoint(blk, policies.memory_budget(fraction))
+        reset_seeds(blocks)
+        before = Block.calls
+        got = stack_step(blocks, mode)(x)
+        assert Block.calls - before == 2 * len(blocks), "each block must be recomputed"
+        assert rel_err(got, want) < TOL, (mode, fraction, rel_err(got, want))
+        for blk in blocks:
+            remat.checkpoint(blk, None)
+
+
+def test_budget_names_and_errors():
+    assert remat.get_policy("budget:0.25") == policies.MemoryBudget(0.25)
+    assert remat.get_policy(" Budget:1 ").fraction == 1.0
+    assert policies.policy_name(remat.get_policy("budget:0.25")) == "budget:0.25"
+    assert "budget:<fraction>" in remat.policy_names()
+    for bad in ("budget:1.5", "budget:-0.1", "budget:x", "budget:nan"):
+        with pytest.raises(ValueError, match="a fraction in"):
+            remat.get_policy(bad)
+    for joined in ("budget:0.3+dots_saveable", "dots_saveable+budget:0.3"):
+        with pytest.raises(ValueError, match="cannot be joined"):
+            remat.get_policy(joined)
+    for bad in (True, 2, "0.3"):
+        with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+            policies.memory_budget(bad)
+    assert np.isclose(policies.memory_budget(0).fraction, 0.0)

@@ -1,0 +1,213 @@
+"""Scan over layers: a scanned model computes what the unrolled one computes, gradients and
+dropout included, with each loop step rematerialized, and weights move between the layouts."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from framework import memory, remat
+from framework.models import language, scan, transformer, vit
+from framework.runtime import flops
+
+CONFIG = dict(image_size=16, patch_size=8, num_classes=5, dim=16, depth=3, num_heads=2, mlp_dim=32)
+
+
+def pair(dropout: float = 0.1):
+    """An unrolled ViT and a scanned one holding the same weights and dropout seeds."""
+    keras.utils.set_random_seed(0)
+    unrolled = vit.VisionTransformer(**CONFIG, dropout=dropout)
+    scanned = vit.VisionTransformer(**CONFIG, dropout=dropout, scan_layers=True)
+    transformer.copy_weights(unrolled, scanned)
+    return unrolled, scanned
+
+
+def step(model, mode: str):
+    def run(images, labels):
+        with tf.GradientTape() as tape:
+            logits = model(images, training=True)
+            loss = tf.reduce_mean(
+                keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+            )
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    if mode == "eager":
+        return run
+    return tf.function(run, jit_compile=mode == "xla")
+
+
+def unstacked(model, grads):
+    """Gradients of a scanned model: (outside the blocks, per block in order)."""
+    scanned = model.scanned_blocks
+    by_variable = {id(v): g for v, g in zip(model.trainable_variables, grads)}
+    trainable, _ = scanned._ordered()
+    per_block = [[] for _ in range(scanned.depth)]
+    for variable in trainable:
+        for i, g in enumerate(tf.unstack(by_variable[id(variable)])):
+            per_block[i].append(np.asarray(g))
+    inside = {id(v) for v in scanned.variables}
+    own = [np.asarray(by_variable[id(v)]) for v in model.trainable_variables if id(v) not in inside]
+    return own, [g for block in per_block for g in block]
+
+
+def split_unrolled(model, grads):
+    in_blocks = {id(v) for b in model.blocks for v in b.variables}
+    by_variable = {id(v): np.asarray(g) for v, g in zip(model.trainable_variables, grads)}
+    own = [by_variable[id(v)] for v in model.trainable_variables if id(v) not in in_blocks]
+    blocks = [by_variable[id(v)] for b in model.blocks for v in b.trainable_variables]
+    return own, blocks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+@pytest.mark.parametrize("policy", [None, "nothing_saveable", "dots_saveable"])
+def test_scanned_vit_matches_unrolled_with_dropout(mode, policy):
+    unrolled, scanned = pair()
+    if policy is not None:
+        assert remat.set_grad_checkpointing(scanned, policy=policy) == [scanned.scanned_blocks]
+    images = tf.random.stateless_normal((2, 16, 16, 3), seed=[len(mode), 7])
+    labels = tf.constant([1, 3])
+    loss_u, grads_u = step(unrolled, mode)(images, labels)
+    loss_s, grads_s = step(scanned, mode)(images, labels)
+    np.testing.assert_allclose(loss_s, loss_u, rtol=1e-5)
+    for got, want in zip(unstacked(scanned, grads_s), split_unrolled(unrolled, grads_u)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+    # Each block's dropout seeds advanced once, as in the unrolled model.
+    for k, stacked in enumerate(scanned.scanned_blocks._ordered()[1]):
+        rows = [b.non_trainable_variables[k].numpy().tolist() for b in unrolled.blocks]
+        assert np.asarray(stacked).tolist() == rows
+
+
+def test_each_loop_step_is_recomputed():
+    _, scanned = pair()
+    calls = []
+    template = scanned.scanned_blocks.template
+    original = template.call
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    template.call = counted
+    images = tf.zeros((1, 16, 16, 3))
+    remat.set_grad_checkpointing(scanned, policy="nothing_saveable")
+    step(scanned, "graph")(images, tf.constant([0]))
+    assert len(calls) == 2  # the block is traced once per pass (forward, rebuilt), not per layer
+    assert remat.checkpointed_layers(scanned) == [scanned.scanned_blocks]
+    remat.set_grad_checkpointing(scanned, enable=False)
+    assert remat.checkpointed_layers(scanned) == []
+
+
+def test_the_compiled_loop_recomputes_what_the_policy_does_not_keep():
+    """XLA's program of the step: the scanned loop with `dots_saveable` computes no product twice
+    (the unrolled model's FLOPs without remat); `nothing_saveable` recomputes every block's
+    products; and full remat plans fewer temporaries than no remat (TensorFlow's own loop
+    gradient, whose trip count is only known when it runs, so its FLOPs are not counted)."""
+    images, labels = tf.zeros((2, 16, 16, 3)), tf.constant([0, 1])
+    unrolled, scanned = pair()
+    plain = flops.forward_flops(step(unrolled, "xla"), images, labels)[0]
+    counted, temps = {}, {}
+    for policy in (None, "dots_saveable", "nothing_saveable"):
+        remat.set_grad_checkpointing(scanned, policy=policy, enable=policy is not None)
+        counted[policy], exact = flops.forward_flops(step(scanned, "xla"), images, labels)
+        assert exact == (policy is not None)
+        temps[policy] = memory.compiled_bytes(step(scanned, "xla"), images, labels).temp_bytes
+    # A block's products on 2 x 5 tokens of width 16 (MLP 32, 2 heads of 8), 2 FLOPs each:
+    # qkv, attention scores and values, output projection, MLP in; the MLP's output projection
+    # is not recomputed, as the backward pass reads only its input.
+    tokens, dim, mlp = 10, 16, 32
+    scores = 2 * 2 * (2 * 2 * 5 * 5 * 8)  # two products over batch x heads x 5 x 5 x 8
+    recomputed = 2 * tokens * dim * (3 * dim + dim + mlp) + scores
+    assert counted["dots_saveable"] == plain, counted
+    assert counted["nothing_saveable"] - plain == CONFIG["depth"] * recomputed, counted
+    assert temps["nothing_saveable"] < temps[None], temps
+
+
+def test_scan_matches_a_python_loop():
+    """`remat.scan` on its own: carry, stacked and per-step inputs, a floating output per step
+    and an integer one; gradients equal to a loop written out, for every policy."""
+    xs = tf.random.stateless_normal((4, 3, 3), seed=[1, 2])
+    bias = tf.random.stateless_normal((3,), seed=[3, 4])
+    h0 = tf.random.stateless_normal((2, 3), seed=[5, 6])
+    ids = tf.range(4)
+
+    def body(h, slices, consts):
+        w, i = slices
+        h = tf.tanh(tf.matmul(h, w) + consts[0])
+        return h, [tf.reduce_sum(h), i * 2]
+
+    def loss_of(h, ys):
+        return tf.reduce_sum(h * h) + tf.reduce_sum(ys[0] * tf.range(4.0))
+
+    with tf.GradientTape() as tape:
+        tape.watch([h0, xs, bias])
+        h, outs = h0, []
+        for i in range(4):
+            h, ys = body(h, [xs[i], ids[i]], [bias])
+            outs.append(ys[0])
+        want_loss = loss_of(h, [tf.stack(outs)])
+    want = tape.gradient(want_loss, [h0, xs, bias])
+    for policy in (None, "nothing_saveable", "dots_saveable"):
+        for mode in ("eager", "graph", "xla"):
+
+            def run(policy=policy):
+                with tf.GradientTape() as tape:
+                    tape.watch([h0, xs, bias])
+                    h, ys = remat.scan(body, h0, [xs, ids], [bias], policy=policy)
+                    loss = loss_of(h, ys)
+                return loss, ys[1], tape.gradient(loss, [h0, xs, bias])
+
+            if mode != "eager":
+                run = tf.function(run, jit_compile=mode == "xla")
+            loss, doubled, got = run()
+            np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+            assert doubled.numpy().tolist() == [0, 2, 4, 6]
+            for g, w in zip(got, want):
+                np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=f"{policy} {mode}")
+
+
+def test_scan_refuses_a_step_that_reads_a_variable():
+    weight = tf.Variable(tf.ones((3, 3)))
+
+    def body(h, slices, consts):
+        return tf.matmul(h, weight) * slices[0], []
+
+    with pytest.raises(remat.RematError, match="pass it to remat.scan in `xs`"):
+        remat.scan(body, tf.ones((2, 3)), [tf.ones((4, 3))])
+
+
+def test_weights_round_trip_between_layouts(tmp_path):
+    unrolled, scanned = pair()
+    back = vit.VisionTransformer(**CONFIG, dropout=0.1)
+    transformer.copy_weights(scanned, back)
+    for a, b in zip(unrolled.variables, back.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    # A checkpoint of the scanned layout restores into a scanned model.
+    tf.train.Checkpoint(model=scanned).write(str(tmp_path / "ckpt"))
+    other = vit.VisionTransformer(**CONFIG, dropout=0.1, scan_layers=True)
+    tf.train.Checkpoint(model=other).read(str(tmp_path / "ckpt")).assert_consumed()
+    stacked = scanned.scanned_blocks.variables, other.scanned_blocks.variables
+    for a, b in zip(
+        scanned.trainable_variables + stacked[0], other.trainable_variables + stacked[1]
+    ):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    with pytest.raises(ValueError, match="blocks for a scan of depth"):
+        scan.stack_weights(unrolled.blocks[:2], scanned.scanned_blocks)
+
+
+def test_scanned_decoder_lm_matches_unrolled():
+    config = dict(vocab_size=11, max_length=6, dim=8, depth=2, num_heads=2, mlp_dim=16)
+    keras.utils.set_random_seed(0)
+    unrolled = language.DecoderLM(**config)
+    scanned = language.DecoderLM(**config, scan_layers=True)
+    transformer.copy_weights(unrolled, scanned)
+    inputs = {
+        "tokens": tf.constant([[1, 2, 3, 4, 5, 6]]),
+        "positions": tf.constant([[0, 1, 2, 0, 1, 2]]),
+        "segment_ids": tf.constant([[1, 1, 1, 2, 2, 2]]),
+    }
+    np.testing.assert_allclose(scanned(inputs), unrolled(inputs), rtol=1e-5, atol=1e-6)

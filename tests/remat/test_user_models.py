@@ -1,0 +1,254 @@
+"""`set_grad_checkpointing` on models no one here wrote: keras-hub backbones, keras.applications.
+
+Small configurations built in the test (random weights, nothing downloaded). Each case restores
+every variable (seed generator states and BatchNorm statistics included) before each run,
+compares gradients with no remat on the same inputs with dropout on, checks the variables the
+step writes (BatchNorm statistics once, seeds advanced once), and counts the regions' runs: a
+checkpoint that silently does nothing runs each region once, not twice.
+"""
+
+from __future__ import annotations
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from framework import memory, remat
+from framework.core import tf_internals
+from framework.remat import segments
+
+MODES = ["eager", "graph", "xla"]
+# BatchNorm over 2 images of 32 px amplifies float32 rounding; remat changes how the graph is
+# fused and ordered, so MobileNetV3's gradients differ in the fifth digit (3e-5).
+APPLICATIONS_TOL = 1e-4
+
+
+def _tokens(batch: int = 2, length: int = 8, vocabulary: int = 50) -> dict:
+    ids = tf.random.stateless_uniform((batch, length), [1, 2], 1, vocabulary, tf.int32)
+    return {"token_ids": ids, "padding_mask": tf.ones((batch, length), tf.int32)}
+
+
+def _hub(name: str):
+    keras.utils.set_random_seed(0)
+    text = dict(vocabulary_size=50, num_layers=2, hidden_dim=16, intermediate_dim=32)
+    if name == "vit":
+        model = keras_hub.models.ViTBackbone(
+            image_shape=(32, 32, 3), patch_size=8, num_layers=2, num_heads=2, hidden_dim=16,
+            mlp_dim=32, dropout_rate=0.2, attention_dropout=0.2,
+        )  # fmt: skip
+        return model, tf.random.stateless_normal((2, 32, 32, 3), [3, 4])
+    if name == "gemma":
+        model = keras_hub.models.GemmaBackbone(
+            num_query_heads=2, num_key_value_heads=1, head_dim=8, dropout=0.2, **text
+        )
+        return model, _tokens()
+    if name == "bert":
+        model = keras_hub.models.BertBackbone(
+            num_heads=2, max_sequence_length=16, dropout=0.2, **text
+        )
+        return model, {**_tokens(), "segment_ids": tf.zeros((2, 8), tf.int32)}
+    model = keras_hub.models.GPT2Backbone(num_heads=2, max_sequence_length=16, dropout=0.2, **text)
+    return model, _tokens()
+
+
+def _application(name: str, size: int = 32):
+    keras.utils.set_random_seed(0)
+    build = {
+        "resnet50": keras.applications.ResNet50,
+        "convnext": keras.applications.ConvNeXtTiny,
+        "efficientnet": keras.applications.EfficientNetB0,
+        "mobilenetv3": keras.applications.MobileNetV3Small,
+    }[name]
+    model = build(weights=None, input_shape=(size, size, 3), classes=10)
+    return model, tf.random.stateless_normal((2, size, size, 3), [5, 6])
+
+
+def _output(y) -> tf.Tensor:
+    if isinstance(y, dict):
+        y = y["sequence_output"]
+    return tf.cast(y, tf.float32)
+
+
+def _compiled(step, mode: str):
+    return step if mode == "eager" else tf.function(step, jit_compile=mode == "xla")
+
+
+def _run(model, x, mode: str):
+    """Gradients of a fixed random projection of the output, and the variables after the step;
+    every variable is put back as it was before."""
+    start = [v.numpy() for v in model.variables]
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            y = _output(model(x, training=True))
+            loss = tf.reduce_sum(y * tf.random.stateless_normal(tf.shape(y), [7, 8]))
+        grads = tape.gradient(loss, model.trainable_variables)
+        return [None if g is None else tf.convert_to_tensor(g) for g in grads]
+
+    grads = [None if g is None else g.numpy() for g in _compiled(step, mode)(x)]
+    after = [v.numpy() for v in model.non_trainable_variables]
+    for v, value in zip(model.variables, start, strict=True):
+        v.assign(value)
+    return grads, after
+
+
+def _relative_error(got: list, want: list) -> float:
+    assert [g is None for g in got] == [w is None for w in want]
+    pairs = [(g, w) for g, w in zip(got, want) if w is not None]
+    diff = sum(np.sum((g.astype(np.float64) - w) ** 2) for g, w in pairs)
+    return float(np.sqrt(diff / sum(np.sum(w.astype(np.float64) ** 2) for _, w in pairs)))
+
+
+def _count_runs(model) -> list:
+    """Counters of each checkpointed region's Python runs (forward pass and recomputation)."""
+    regions = [layer.call for layer in remat.checkpointed_layers(model)]
+    runner = tf_internals.functional_runner(model)
+    if isinstance(runner, segments.SegmentedGraph):
+        regions += [region for _, region in runner._plan if region is not None]
+    counts = []
+    for region in regions:
+        counts.append([0])
+
+        def counted(*args, _fn=region.fn, _count=counts[-1], **kwargs):
+            _count[0] += 1
+            return _fn(*args, **kwargs)
+
+        region.fn = counted
+    return counts
+
+
+def _check(model, x, mode: str, tol: float = 1e-5, **remat_kwargs):
+    want, state_want = _run(model, x, mode)
+    regions = remat.set_grad_checkpointing(model, **remat_kwargs)
+    counts = _count_runs(model)
+    got, state_got = _run(model, x, mode)
+    assert len(regions) >= 2 and counts
+    assert all(c[0] >= 2 for c in counts), [c[0] for c in counts]
+    assert _relative_error(got, want) < tol
+    for after, expected in zip(state_got, state_want, strict=True):  # BatchNorm, seeds: once
+        np.testing.assert_allclose(after, expected, rtol=1e-5, atol=1e-6)
+    return regions
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["vit", "bert", "gpt2", "gemma"])
+def test_keras_hub_backbones_match_no_remat(name, mode):
+    model, x = _hub(name)
+    model(x)
+    regions = _check(model, x, mode)
+    assert all(isinstance(r, keras.layers.Layer) for r in regions)  # the transformer blocks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet50", "convnext", "efficientnet", "mobilenetv3"])
+def test_keras_applications_get_segments_that_match_no_remat(name):
+    model, x = _application(name)
+    regions = _check(model, x, "graph", tol=APPLICATIONS_TOL)
+    assert all(isinstance(r, segments.Segment) for r in regions)
+    assert {"resnet50": 16, "convnext": 18, "efficientnet": 16, "mobilenetv3": 10}[name] == len(
+        regions
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "mode"), [("convnext", "eager"), ("mobilenetv3", "xla")])
+def test_keras_applications_in_eager_and_xla(name, mode):
+    model, x = _application(name)
+    _check(model, x, mode, tol=APPLICATIONS_TOL)
+
+
+@pytest.mark.slow
+def test_fit_through_segments_and_hub_blocks_matches_no_remat():
+    def fitted(build, with_remat: bool, jit_compile: bool):
+        model, x = build()
+        features = model.output["sequence_output"] if isinstance(model.output, dict) else None
+        if features is not None:
+            model = keras.Model(model.input, keras.layers.Dense(1)(features))
+        if with_remat:
+            assert len(remat.set_grad_checkpointing(model)) >= 2
+        y = tf.ones(model(x).shape)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=jit_compile)
+        model.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0)  # two steps
+        return [v.numpy() for v in model.trainable_variables]
+
+    # Segments under XLA and hub blocks in graph mode are checked above; fit adds Keras' own
+    # train step, compiled by XLA for the transformer and by the graph runtime for MobileNet.
+    cases = [(lambda: _application("mobilenetv3"), False), (lambda: _hub("bert"), True)]
+    for build, jit_compile in cases:
+        got, want = fitted(build, True, jit_compile), fitted(build, False, jit_compile)
+        assert _relative_error(got, want) < APPLICATIONS_TOL
+
+
+@pytest.mark.slow
+def test_full_remat_lowers_xla_temp_memory_of_resnet50():
+    model, _ = _application("resnet50", size=128)
+    spec = tf.TensorSpec((4, 128, 128, 3))
+
+    def plan():
+        @tf.function(jit_compile=True)
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x, training=True))
+            return tape.gradient(loss, model.trainable_variables)
+
+        return memory.compiled_bytes(step, spec).temp_bytes
+
+    before = plan()
+    remat.set_grad_checkpointing(model)
+    assert plan() < 0.7 * before  # 0.57 at 160 px, batch 8 (docs/remat.md)
+
+
+def test_segments_of_a_chain_every_and_saving(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8) for _ in range(16)])
+    found = segments.segments(model)
+    assert [len(s.nodes) for s in found] == [4, 4, 4, 4]  # sqrt(16) layers each
+    assert [len(s.nodes) for s in segments.segments(model, every=8)] == [8, 8]
+    x = np.random.default_rng(0).normal(size=(2, 8)).astype(np.float32)
+    before = model.predict(x, verbose=0)
+    assert len(remat.set_grad_checkpointing(model)) == 4
+    np.testing.assert_allclose(model.predict(x, verbose=0), before, rtol=1e-6)
+    model.save(tmp_path / "chain.keras")  # the remat setting is not saved: a plain model loads
+    loaded = keras.saving.load_model(tmp_path / "chain.keras")
+    assert segments.installed(loaded) == []
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), before, rtol=1e-6)
+    resnet, _ = _application("resnet50")
+    assert len(segments.segments(resnet, every=4)) == 4
+    chosen = remat.set_grad_checkpointing(resnet, every=4)
+    assert len(chosen) == 4 and segments.installed(resnet) == chosen
+    assert remat.set_grad_checkpointing(resnet, enable=False) == []
+    assert segments.installed(resnet) == []
+
+
+def test_other_callers_of_a_segmented_graph_get_keras_own_runner():
+    model = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8) for _ in range(8)])
+    assert len(remat.set_grad_checkpointing(model)) >= 2
+    clone = keras.models.clone_model(model)  # its own layers, not the original's
+    assert not any(a is b for a, b in zip(clone.layers, model.layers))
+    nodes = [len(layer._inbound_nodes) for layer in model.layers]
+    model(keras.Input((8,)))  # a symbolic call adds a node to the model, none to its layers
+    assert [len(layer._inbound_nodes) for layer in model.layers] == nodes
+
+
+def test_selections_that_match_nothing_or_save_nothing_are_loud():
+    model, x = _application("mobilenetv3")
+    with pytest.raises(ValueError, match="No layer .* is an instance of .*LSTM.*Conv2D x"):
+        remat.set_grad_checkpointing(model, layers=keras.layers.LSTM)
+    with pytest.raises(ValueError, match="predicate matches no layer"):
+        remat.set_grad_checkpointing(model, layers=lambda layer: False)
+    with pytest.warns(remat.RematSavesNothingWarning, match="single layers"):
+        remat.set_grad_checkpointing(model, layers=keras.layers.Conv2D)
+    with pytest.raises(ValueError, match="layers= or every="):
+        remat.set_grad_checkpointing(model, layers=keras.layers.Conv2D, every=2)
+
+    inputs = keras.Input((8,))  # one skip over the whole graph: nowhere to cut it
+    h = keras.layers.Dense(8)(inputs)
+    out = keras.layers.Add()([keras.layers.Dense(8)(keras.layers.Dense(8)(h)), h])
+    skip = keras.Model(inputs, out)
+    with pytest.warns(remat.RematSavesNothingWarning, match="no place where one tensor"):
+        assert remat.set_grad_checkpointing(skip) == []
+    with pytest.raises(ValueError, match="no place where one tensor"):
+        remat.set_grad_checkpointing(skip, every=1)
