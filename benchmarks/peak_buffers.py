@@ -28,18 +28,25 @@ import re
 import sys
 
 import tensorflow as tf
-from remat_policies import write_report
+from remat_policies import mib, write_report
 
 from framework import cli, memory, remat
 from framework.planner import measurement
 from framework.trainer import Trainer
 
 
+def _dims(shape: str) -> tuple[int, ...]:
+    """The dimensions of an XLA shape string such as "f32[768,3072]{1,0}"."""
+    match = re.search(r"\[([\d,]*)\]", shape)
+    return tuple(int(d) for d in match[1].split(",") if d) if match else ()
+
+
 def group(buffer: memory.Buffer, weight_shapes: collections.Counter) -> tuple[str, str]:
     """(kind, group) of one buffer live at the peak."""
     if buffer.kind == "parameter":
-        if weight_shapes[buffer.shape] > 0:
-            weight_shapes[buffer.shape] -= 1
+        dims = _dims(buffer.shape)
+        if weight_shapes[dims] > 0:
+            weight_shapes[dims] -= 1
             return "weights", "variables"
         return "batch", buffer.shape
     if buffer.kind == "output":
@@ -60,7 +67,7 @@ def main() -> None:
     parser.add_argument("--out", help="also write the report (markdown) to this file")
     args = parser.parse_args()
     started = datetime.datetime.now()
-    cli.parse_gin(args.gin_file, args.gin, [])
+    cli.parse_gin(args.gin_file, args.gin, [".", str(cli.CONFIGS_DIR)])
     trainer = Trainer(None, remat_policy=None, count_flops=False)
     policy = remat.get_policy(args.policy)
     if policy is not remat.policies.everything_saveable:
@@ -69,8 +76,7 @@ def main() -> None:
     plan = memory.compiled_bytes(fn, batch, target=args.target)
 
     weight_shapes = collections.Counter(
-        f"{v.dtype.name}[{','.join(str(d) for d in v.shape)}]"
-        for v in trainer.model.trainable_variables
+        tuple(int(d) for d in v.shape) for v in trainer.model.trainable_variables
     )
     sums: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
     for buffer in plan.peak_buffers:
@@ -81,9 +87,6 @@ def main() -> None:
     by_kind = collections.Counter()
     for (kind, _), (_, size) in sums.items():
         by_kind[kind] += size
-
-    def mib(n: int) -> str:
-        return f"{n / 2**20:.1f}"
 
     lines = [
         "Command: `python " + " ".join(["benchmarks/peak_buffers.py", *sys.argv[1:]]) + "`",

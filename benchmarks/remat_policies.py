@@ -313,9 +313,8 @@ def measure(
             result["tpu_error"] = _one_line(error)
     if compile_only:
         try:
-            plan = memory.compiled_bytes(step, x, y)
+            plan, result["matmul_flops"] = flops.compiled_plan_and_flops(step, x, y)
             result["temp_bytes"], result["total_bytes"] = plan.temp_bytes, plan.total_bytes
-            result["matmul_flops"] = flops.forward_flops(step, x, y)[0]
         except Exception as error:
             result["error"] = _one_line(error)
         return result
@@ -373,7 +372,8 @@ def write_report(report: str, out: str | None) -> None:
             f.write(report)
 
 
-def _mib(n: float) -> str:
+def mib(n: float) -> str:
+    """Bytes as MiB with one decimal, as the reports print them."""
     return f"{n / 2**20:.1f}"
 
 
@@ -383,8 +383,8 @@ def _ratio(value: float | None, base: float | None) -> str:
 
 def format_compiled_table(results: list[dict[str, Any]]) -> str:
     """XLA:CPU's and (when compiled) the TPU compiler's temp bytes, each as a ratio to no remat,
-    and the matrix-product FLOPs of the step TensorFlow hands XLA as a ratio to no remat's (the
-    recomputation a setting asks for; elementwise work, such as a mask's redraw, not counted)."""
+    and the matrix-product FLOPs of XLA:CPU's optimised step as a ratio to no remat's (the
+    recomputation a setting keeps; elementwise work, such as a mask's redraw, not counted)."""
     with_tpu = any("tpu_temp_bytes" in r or "tpu_error" in r for r in results)
     compiler = next((r["tpu_compiler"] for r in results if "tpu_compiler" in r), "TPU")
     head = ["model", "setting", "XLA:CPU temp MiB", "ratio"]
@@ -396,13 +396,13 @@ def format_compiled_table(results: list[dict[str, Any]]) -> str:
         b = base.get(r["model"], {})
         cells = [r["model"], label(r["setting"])]
         cells += (
-            [_mib(r["temp_bytes"]), _ratio(r["temp_bytes"], b.get("temp_bytes"))]
+            [mib(r["temp_bytes"]), _ratio(r["temp_bytes"], b.get("temp_bytes"))]
             if "temp_bytes" in r
             else [f"crash: {r.get('error')}", ""]
         )
         if with_tpu:
             cells += (
-                [_mib(r["tpu_temp_bytes"]), _ratio(r["tpu_temp_bytes"], b.get("tpu_temp_bytes"))]
+                [mib(r["tpu_temp_bytes"]), _ratio(r["tpu_temp_bytes"], b.get("tpu_temp_bytes"))]
                 if "tpu_temp_bytes" in r
                 else [f"crash: {r.get('tpu_error', r.get('error'))}", ""]
             )
@@ -435,10 +435,10 @@ def format_table(results: list[dict[str, Any]]) -> str:
         cells = [
             r["model"],
             name,
-            _mib(r["step_bytes"]),
+            mib(r["step_bytes"]),
             _ratio(r["step_bytes"], b.get("step_bytes")),
-            _mib(r["temp_bytes"]),
-            _mib(r["total_bytes"]),
+            mib(r["temp_bytes"]),
+            mib(r["total_bytes"]),
             f"{r['step_s']:.3f}",
             f"{r.get('time_ratio', 1.0):.2f}",
             grad,

@@ -22,7 +22,15 @@ import sys
 import time
 
 import tensorflow as tf
-from remat_policies import MODELS, ModelSpec, build_model, model_spec, train_step, write_report
+from remat_policies import (
+    MODELS,
+    ModelSpec,
+    build_model,
+    mib,
+    model_spec,
+    train_step,
+    write_report,
+)
 
 from framework.core import jax_internals
 from framework.memory import tpu
@@ -53,10 +61,6 @@ def plan_key(plan: CompiledMemory) -> tuple:
     """What makes two memory plans the same plan (the code is compared separately)."""
     buffers = sorted((b.size_bytes, b.shape, b.kind) for b in plan.peak_buffers)
     return plan.parameter_bytes, plan.output_bytes, plan.temp_bytes, tuple(buffers)
-
-
-def _mib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**20:.1f}"
 
 
 def main() -> None:
@@ -125,8 +129,8 @@ def main() -> None:
             f"{median:.1f}",
             f"{median / base_time:.2f}",
             same,
-            _mib(plan.temp_bytes),
-            _mib(plan.generated_code_bytes),
+            mib(plan.temp_bytes),
+            mib(plan.generated_code_bytes),
             f"{plan.flops / base.flops:.3f}" if plan.flops and base.flops else "-",
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

@@ -26,7 +26,15 @@ import sys
 import time
 
 import tensorflow as tf
-from remat_policies import MODELS, ModelSpec, build_model, model_spec, train_step, write_report
+from remat_policies import (
+    MODELS,
+    ModelSpec,
+    build_model,
+    mib,
+    model_spec,
+    train_step,
+    write_report,
+)
 
 from framework.memory import tpu
 
@@ -50,10 +58,6 @@ def compile_setting(spec: ModelSpec, setting: str, chip: tpu.TpuChip, flags: dic
         "seconds": time.perf_counter() - start,
         "compiler": plan.compiler,
     }
-
-
-def _mib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**20:.1f}"
 
 
 def main() -> None:
@@ -86,9 +90,9 @@ def main() -> None:
     if "error" in base:
         raise SystemExit(f"error: no remat does not compile for {chip.name}: {base['error']}")
     for fraction in fractions:
-        mib = max(1, int(fraction * base["peak"] / 2**20))
-        flags = {"xla_tpu_max_hbm_size_mib": str(mib)}
-        name = f"no remat, XLA limit {fraction:g} x peak ({mib} MiB)"
+        limit_mib = max(1, int(fraction * base["peak"] / 2**20))
+        flags = {"xla_tpu_max_hbm_size_mib": str(limit_mib)}
+        name = f"no remat, XLA limit {fraction:g} x peak ({limit_mib} MiB)"
         rows.append((name, compile_setting(spec, "none", chip, flags)))
     for policy in filter(None, args.policies.split(",")):
         rows.append((f"`{policy}`", compile_setting(spec, policy, chip, None)))
@@ -106,7 +110,7 @@ def main() -> None:
         if "error" in r:
             lines.append(f"| {name} | does not fit: {r['error']} | | | {r['seconds']:.0f} |")
             continue
-        cells = [_mib(r["peak"]), _mib(r["temp"]), f"{r['flops'] / base['flops']:.3f}"]
+        cells = [mib(r["peak"]), mib(r["temp"]), f"{r['flops'] / base['flops']:.3f}"]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {r['seconds']:.0f} |")
     write_report("\n".join(lines) + "\n", args.out)
 

@@ -247,7 +247,6 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
     import tensorflow as tf
 
     from framework import cli, memory, remat
-    from framework.core import tf_internals
     from framework.memory import tpu
     from framework.runtime import distribute, flops, xla
     from framework.trainer import Trainer
@@ -274,17 +273,14 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
 
     def plan_step(fn, batch) -> tuple[memory.CompiledMemory, float]:
         """One compilation for both figures: the plan and the FLOPs its time is estimated from."""
-        ir = fn.experimental_get_compiler_ir(batch)
         if chip is not None:
-            compiled = tpu.compile_for_chip(ir(stage="hlo_serialized"), chip)
+            hlo = fn.experimental_get_compiler_ir(batch)(stage="hlo_serialized")
+            compiled = tpu.compile_for_chip(hlo, chip)
             return compiled, compiled.flops
-        # FLOPs are counted in the optimised module: the unoptimised one still holds every
-        # policy's whole recomputation, whose products XLA removes where kept values replace
-        # them.
-        proto = tf_internals.hlo_pb2.HloProto.FromString(ir(stage="optimized_hlo_proto_serialized"))
-        device = distribute.first_device(trainer.strategy)
-        compiled = memory.memory_from_hlo_proto(proto, compiler=memory.xla_compiler(device))
-        return compiled, float(flops.hlo_matmul_flops(proto.hlo_module)[0])
+        compiled, step_flops = flops.compiled_plan_and_flops(
+            fn, batch, device=distribute.first_device(trainer.strategy)
+        )
+        return compiled, float(step_flops)
 
     def compile_one(policy: str, batch_size: int | None) -> Measurement:
         if trainer is None:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
+from framework import memory
 from framework.core.tf_internals import hlo_pb2, xla_data_pb2
 
 FORWARD_AND_BACKWARD = 3  # a matmul's backward pass is two matmuls of the same size
@@ -115,6 +116,23 @@ def forward_flops(forward: Callable, *args) -> tuple[int, bool]:
     whether the count is exact (see `hlo_matmul_flops`). Nothing is compiled for a device."""
     ir = forward.experimental_get_compiler_ir(*args)
     return hlo_matmul_flops(hlo_pb2.HloModuleProto.FromString(ir(stage="hlo_serialized")))
+
+
+def compiled_plan_and_flops(
+    fn: Callable, *args, device: str | None = None
+) -> tuple[memory.CompiledMemory, int]:
+    """XLA's plan of `fn(*args)` on this host's device (`memory.compiled_bytes`'s figures) and
+    the dot and convolution FLOPs of the same optimised program, from one compilation.
+
+    The count is read after XLA's optimisation, unlike `forward_flops`: before it, a remat
+    region's recomputation is still whole in the program, including the products whose kept
+    outputs replace them (XLA removes those), so only the optimised count tells the policies'
+    recomputation apart.
+    """
+    ir = fn.experimental_get_compiler_ir(*args)
+    proto = hlo_pb2.HloProto.FromString(ir(stage="optimized_hlo_proto_serialized"))
+    plan = memory.memory_from_hlo_proto(proto, compiler=memory.xla_compiler(device))
+    return plan, hlo_matmul_flops(proto.hlo_module)[0]
 
 
 def model_flops_per_step(model: tf.keras.Model, inputs) -> tuple[int, bool]:

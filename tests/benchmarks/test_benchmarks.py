@@ -40,6 +40,16 @@ def _table_rows(text: str, model: str) -> dict[str, list[str]]:
     return rows
 
 
+def _rows_by_first_cell(text: str, width: int) -> dict[str, list[str]]:
+    """Rows of the markdown table with `width` columns, keyed by their first cell."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == width:
+            rows[cells[0]] = cells
+    return rows
+
+
 def test_remat_policies_quick(tmp_path):
     out = tmp_path / "remat_policies.md"
     run_benchmark(
@@ -98,11 +108,7 @@ def test_tpu_xla_remat_quick():
         "--fractions=0.5",
         "--policies=nothing_saveable",
     )
-    rows = {}
-    for line in proc.stdout.splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) == 5:
-            rows[cells[0]] = cells
+    rows = _rows_by_first_cell(proc.stdout, width=5)
     assert rows["no remat"][3] == "1.000", proc.stdout
     # Half the no-remat peak is below what this tiny step needs however XLA recomputes.
     (limited,) = [name for name in rows if name.startswith("no remat, XLA limit 0.5")]
@@ -117,11 +123,7 @@ def test_tpu_compile_options_quick():
         "--repeats=1",
         "--option_sets=xla_jf_llvm_use_fast_opt=true;exec_time_optimization_effort=-1",
     )
-    rows = {}
-    for line in proc.stdout.splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) == 7:
-            rows[cells[0]] = cells
+    rows = _rows_by_first_cell(proc.stdout, width=7)
     # Columns: options, compile s, time / defaults, same plan, temp MiB, code MiB, FLOPs.
     assert rows["defaults"][2:4] == ["1.00", "yes"], proc.stdout
     # Code generation's own switch leaves the memory plan as it is; XLA's lowest effort does not
