@@ -132,6 +132,18 @@ def test_tpu_compile_options_quick():
     assert rows["`exec_time_optimization_effort=-1`"][3] == "**no**", proc.stdout
 
 
+def test_peak_buffers_names_what_the_plan_holds():
+    proc = run_benchmark(
+        "peak_buffers.py", "--gin_file=quickstart.gin", "--policy=nothing_saveable", "--top=3"
+    )
+    kinds = _rows_by_first_cell(proc.stdout, width=2)
+    # The weights at the peak are the model's parameters in float32; the optimizer's state is
+    # listed beside the program; the temporaries are grouped by the op they come from.
+    assert float(kinds["weights"][1]) > 0 and float(kinds["gradients"][1]) > 0, proc.stdout
+    assert "optimizer state (outside the program)" in kinds, proc.stdout
+    assert len(_rows_by_first_cell(proc.stdout, width=3)) >= 2, proc.stdout  # header + groups
+
+
 def test_jax_vit_memory_quick():
     """JAX's own checkpointing on the same ViT, planned by jax's XLA:CPU (the TPU compile is the
     full run's): a step holds more than its temporaries, and full remat recomputes products."""
