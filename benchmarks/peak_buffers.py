@@ -31,6 +31,7 @@ import tensorflow as tf
 from remat_policies import mib, write_report
 
 from framework import cli, memory, remat
+from framework.core.errors import UsageError
 from framework.planner import measurement
 from framework.trainer import Trainer
 
@@ -67,9 +68,12 @@ def main() -> None:
     parser.add_argument("--out", help="also write the report (markdown) to this file")
     args = parser.parse_args()
     started = datetime.datetime.now()
-    cli.parse_gin(args.gin_file, args.gin, [".", str(cli.CONFIGS_DIR)])
+    try:
+        policy = remat.get_policy(args.policy)
+        cli.parse_gin(args.gin_file, args.gin, [".", str(cli.CONFIGS_DIR)])
+    except (ValueError, UsageError) as error:
+        parser.error(str(error))
     trainer = Trainer(None, remat_policy=None, count_flops=False)
-    policy = remat.get_policy(args.policy)
     if policy is not remat.policies.everything_saveable:
         remat.set_grad_checkpointing(trainer.model, policy=policy)
     fn, batch = trainer.compiled_step(args.batch_size)

@@ -104,7 +104,7 @@ class StopDivergence:
             else "the weights became non-finite"
         )
         diverged_at = loop.step
-        if self.rollbacks_left > 0 and loop.model_dir is not None:
+        if self.rollbacks_left > 0:
             restored = loop.roll_back(self.factor)
             if restored is not None:
                 self.rollbacks_left -= 1

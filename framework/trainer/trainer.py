@@ -250,11 +250,10 @@ class Trainer:
             self._note_stream_position()
             for action in self.actions:
                 action(loop, metrics)
-                if loop.rolled_back:
+                if loop.rolled_back:  # the other actions would see the restored state
+                    loop.rolled_back = False
+                    iterator = self.train_iterator()
                     break
-            if loop.rolled_back:
-                loop.rolled_back = False
-                iterator = self.train_iterator()
         if loop.stopped is not None:
             logging.info("stopped at step %d: %s", self.step, loop.stopped)
         self.save()  # the last step, whatever the checkpoint interval
