@@ -5,8 +5,9 @@ it with `remat.set_grad_checkpointing(model)` (default selection, `nothing_savea
 against the same model without remat:
 
 - XLA's temporaries for the gradient step (`framework.memory.compiled_bytes`, compiled, not run);
-- the first call of the step in eager mode and in a `tf.function` (tracing included), with and
-  without remat: what checkpointing adds to tracing;
+- the first call of the step in eager mode, in a `tf.function` and under XLA (`jit_compile=True`,
+  as the trainer runs it), tracing and compilation included, with and without remat: what
+  checkpointing adds to tracing;
 - the gradients' relative error (global norm) in a `tf.function`, dropout on, same weights, seeds.
 
     python benchmarks/remat_user_models.py --out=benchmarks/results/remat_user_models.md
@@ -104,6 +105,7 @@ def measure(name: str, quick: bool) -> dict:
             result["region_kind"] = type(regions[0]).__name__
         result[f"{setting}_eager_s"], _ = first_call(step)
         result[f"{setting}_function_s"], grads = first_call(tf.function(step))
+        result[f"{setting}_xla_s"], _ = first_call(tf.function(step, jit_compile=True))
         result[f"{setting}_grads"] = grads
         plan = memory.compiled_bytes(tf.function(step, jit_compile=True), x)
         result[f"{setting}_temp"] = plan.temp_bytes
@@ -123,16 +125,18 @@ def report(rows: list[dict], command: str) -> str:
         f"{os.getloadavg()[0]:.2f}.",
         "",
         "Full remat (`nothing_saveable`) with the default selection against no remat. Memory: "
-        "XLA:CPU's temporaries of the gradient step. First call: trace plus one step, eager and "
-        "in a `tf.function`. Gradient error: relative, global norm, in a `tf.function`.",
+        "XLA:CPU's temporaries of the gradient step. First call: trace (and compilation) plus "
+        "one step, eager, in a `tf.function` and under XLA. Gradient error: relative, global "
+        "norm, in a `tf.function`.",
         "",
         "| model | regions | XLA temp MiB no remat / full | ratio | first eager call s "
-        "no remat / full | first tf.function call s no remat / full | grad rel. error |",
-        "|---|---|---|---|---|---|---|",
+        "no remat / full | first tf.function call s no remat / full | first XLA call s no remat / "
+        "full | grad rel. error |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['error']} | | | | | |")
+            lines.append(f"| {r['model']} | {r['error']} | | | | | | |")
             continue
         lines.append(
             f"| {r['model']} | {r['regions']} {r['region_kind']}s "
@@ -140,6 +144,7 @@ def report(rows: list[dict], command: str) -> str:
             f"| {r['full_temp'] / r['none_temp']:.3f} "
             f"| {r['none_eager_s']:.1f} / {r['full_eager_s']:.1f} "
             f"| {r['none_function_s']:.1f} / {r['full_function_s']:.1f} "
+            f"| {r['none_xla_s']:.1f} / {r['full_xla_s']:.1f} "
             f"| {r['grad_error']:.1e} |"
         )
     return "\n".join(lines) + "\n"
