@@ -5,7 +5,7 @@ A text feature of any TFDS data set (lm1b, c4, wikipedia, ...), prepared beforeh
 downloaded at run time (`pip install 'framework[tfds]'`). TFDS's own splits are the train and eval
 splits (no hash split), 'read_own' gives each host an even sub-split, and the WordPiece
 vocabulary is learned from the first documents of 16 even sub-splits of the training split, within
-the sample's bounds. The rest is `text.py`'s pipeline.
+the sample's bounds. The rest is the text package's pipeline (`rows`, `examples`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ import functools
 
 import tensorflow as tf
 
-from framework.data import sharding, streams, text
-from framework.data import tfds as tfds_lib
-from framework.data import vocab as vocab_lib
+from framework.data import sharding, streams, text, tfds_builder
+from framework.data.text import vocab as vocab_lib
 
 _SAMPLE_PARTS = 16  # TFDS sub-splits a vocabulary sample is spread over
 
@@ -62,20 +61,20 @@ class TfdsText:
         text.check_common("TfdsText", self)
 
     def _builder(self):
-        builder = tfds_lib.builder(self.name, self.data_dir, "TfdsText.name")
-        tfds_lib.check_features(builder, {"text_key": self.text_key}, "TfdsText")
+        builder = tfds_builder.builder(self.name, self.data_dir, "TfdsText.name")
+        tfds_builder.check_features(builder, {"text_key": self.text_key}, "TfdsText")
         return builder
 
     def _texts(self, split: str, builder=None) -> tf.data.Dataset:
         """The split's texts in TFDS's order, blank ones dropped."""
-        examples = tfds_lib.as_dataset(builder or self._builder(), split, self.data_dir)
+        examples = tfds_builder.as_dataset(builder or self._builder(), split, self.data_dir)
         texts = examples.map(lambda example: example[self.text_key])
         return texts.filter(text.not_blank)
 
     def sample(self) -> tf.data.Dataset:
         """The documents the vocabulary is learned from: the first of each of 16 even
         sub-splits of `train_split`, within `vocab_documents` and `vocab_sample_bytes`."""
-        tfds = tfds_lib.import_tfds()
+        tfds = tfds_builder.import_tfds()
         parts, builder = tfds.even_splits(self.train_split, n=_SAMPLE_PARTS), self._builder()
         heads = [
             vocab_lib.within_budget(
@@ -104,7 +103,7 @@ class TfdsText:
     ) -> text.TrainStream:
         split = self.train_split
         if read_own and part.pipelines > 1:
-            split = tfds_lib.import_tfds().even_splits(split, n=part.pipelines)[part.pipeline]
+            split = tfds_builder.import_tfds().even_splits(split, n=part.pipelines)[part.pipeline]
         texts = self._texts(split)
         return text.TrainStream(
             raw=lambda number: texts,  # the epoch's order: its shuffle blocks

@@ -2,7 +2,7 @@
 
 Each example holds an encoded image (JPEG/PNG) and an integer label; the keys default to the
 common ImageNet layout (`image/encoded`, `image/class/label`, labels from 1, hence
-`label_offset = 1`). Preprocessing is the shared image pipeline's (`images.py`).
+`label_offset = 1`). Preprocessing is the shared image pipeline's (`pipeline.py`).
 
 - **Training order**: epoch after epoch; each epoch reads the files in a permutation drawn from
   (seed, epoch), `cycle_length` files at a time, interleaved record by record, then in blocks
@@ -30,37 +30,10 @@ import tensorflow as tf
 
 from framework.core import checks
 from framework.core.errors import BAD_DATA
-from framework.core.files import is_local
-from framework.data import image_ops, images, streams
+from framework.core.files import list_files
 from framework.data import sharding as sharding_lib
-
-
-def list_files(patterns: str | Sequence[str], setting: str) -> list[str]:
-    """The sorted files matching `patterns` (file names or globs, local or gs://), for the
-    setting named `setting` in errors. Directories a pattern matches are left out (they would
-    fail later, inside tf.data, as "Is a directory"); a pattern matching no file is a ValueError.
-    """
-    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
-    if not patterns:
-        raise ValueError(f"{setting} is empty: give one or more file names or glob patterns")
-    found = set()
-    for pattern in patterns:
-        matches = tf.io.gfile.glob(pattern)
-        if not matches:
-            raise ValueError(f"{setting}: {pattern!r} not found (no file matches it)")
-        # Cloud Storage has no directories, only names: a match ending in '/' stands for one.
-        kept = [
-            path
-            for path in matches
-            if not path.endswith("/") and not (is_local(path) and tf.io.gfile.isdir(path))
-        ]
-        if not kept:
-            raise ValueError(
-                f"{setting}: {pattern!r} is a directory, not a file: name the files in it, "
-                f"e.g. '{pattern.rstrip('/')}/*'"
-            )
-        found.update(kept)
-    return sorted(found)
+from framework.data import streams
+from framework.data.images import image_ops, pipeline
 
 
 def _check_example(record: bytes, image_key: str, label_key: str, files: list[str]) -> None:
@@ -104,7 +77,7 @@ def tfrecord(
     docstring). `train_files`, `eval_files`: file names or globs. The label is the integer
     feature minus `label_offset`; `num_classes` (needed by mixup and cutmix) also checks each
     label's range. `preprocessing`: the settings of `image_ops.Preprocessing`."""
-    images.check_split_and_seed("tfrecord", split, seed)
+    pipeline.check_split_and_seed("tfrecord", split, seed)
     prep = image_ops.preprocessing("tfrecord", preprocessing)
     checks.integer("data.tfrecord.label_offset", label_offset, minimum=-(2**31))
     checks.integer("data.tfrecord.num_classes", num_classes, optional=True)
@@ -153,7 +126,7 @@ def tfrecord(
 
         return streams.record_epochs(epoch, part, start, read_own=read_own, epoch_length=count)
 
-    source = images.ImageSource(
+    source = pipeline.ImageSource(
         name="tfrecord",
         train=train,
         eval=lambda: tf.data.TFRecordDataset(files, num_parallel_reads=cycle_length),
@@ -162,4 +135,4 @@ def tfrecord(
         prep=prep,
         seed=seed,
     )
-    return images.labelled_images(split, input_context, global_batch_size, start_step, source)
+    return pipeline.labelled_images(split, input_context, global_batch_size, start_step, source)

@@ -2,7 +2,7 @@
 `imagenet2012`, ...), prepared beforehand in `data_dir` (local or gs://): nothing is downloaded.
 
 TensorFlow Datasets is an optional extra: `pip install 'framework[tfds]'`. Images are read
-encoded and decoded by the shared image pipeline (`images.py`), so the records a pipeline skips
+encoded and decoded by the shared image pipeline (`pipeline.py`), so the records a pipeline skips
 or leaves to other pipelines are never decoded.
 
 - **Training order**: the split in TFDS's order (shuffled when TFDS prepared it), epoch after
@@ -25,75 +25,28 @@ from __future__ import annotations
 import tensorflow as tf
 
 from framework.core import checks
-from framework.core.errors import MissingDependency
-from framework.data import image_ops, images, streams
+from framework.data import streams, tfds_builder
 from framework.data import sharding as sharding_lib
-
-
-def import_tfds():
-    """The `tensorflow_datasets` module, or an error saying how to install it."""
-    try:
-        import tensorflow_datasets
-    except ImportError:
-        raise MissingDependency(
-            "data.tfds needs TensorFlow Datasets: pip install 'framework[tfds]' "
-            "(or pip install tensorflow-datasets)"
-        ) from None
-    return tensorflow_datasets
-
-
-def builder(name: str, data_dir: str | None, setting: str = "data.tfds.name"):
-    """The TFDS builder of `name`, or an error naming `setting` when there is no such set."""
-    tfds = import_tfds()
-    try:
-        return tfds.builder(name, data_dir=data_dir)
-    except tfds.core.DatasetNotFoundError:
-        raise ValueError(
-            f"{setting} {name!r} is not a TensorFlow Datasets data set (tfds.list_builders() "
-            "lists them)"
-        ) from None
-
-
-def as_dataset(builder, split: str, data_dir: str | None, decoders=None) -> tf.data.Dataset:
-    """The split's examples in TFDS's order, or an error saying how to prepare the data set."""
-    try:
-        return builder.as_dataset(split=split, shuffle_files=False, decoders=decoders)
-    except AssertionError as error:  # what TFDS raises for a data set not prepared
-        raise ValueError(
-            f"TensorFlow Datasets data set {builder.name!r} is not prepared in data_dir "
-            f"{data_dir or '~/tensorflow_datasets'}: prepare it once with `tfds build "
-            f"{builder.name} --data_dir=...` ({str(error).splitlines()[0][:200]})"
-        ) from None
-
-
-def check_features(builder, keys: dict[str, str], source: str = "data.tfds") -> None:
-    """Each key (by its setting's name) is a feature of the data set."""
-    features = builder.info.features
-    for setting, key in keys.items():
-        if key not in features:
-            raise ValueError(
-                f"{source}.{setting} {key!r} is not a feature of {builder.name!r}; its "
-                f"features: {sorted(features.keys())}"
-            )
+from framework.data.images import image_ops, pipeline
 
 
 def _read(
     builder, split: str, image_key: str, label_key: str, data_dir: str | None
 ) -> tf.data.Dataset:
     """The split's (image, label) examples in TFDS's order, images left encoded."""
-    tfds = import_tfds()
+    tfds = tfds_builder.import_tfds()
     decoders = None
     if isinstance(builder.info.features[image_key], tfds.features.Image):
         decoders = {image_key: tfds.decode.SkipDecoding()}
-    examples = as_dataset(builder, split, data_dir, decoders)
+    examples = tfds_builder.as_dataset(builder, split, data_dir, decoders)
     return examples.map(lambda example: {key: example[key] for key in (image_key, label_key)})
 
 
 def _check_keys(builder, image_key: str, label_key: str) -> int | None:
     """The number of classes of the label feature (None if it is not a ClassLabel)."""
-    check_features(builder, {"image_key": image_key, "label_key": label_key})
+    tfds_builder.check_features(builder, {"image_key": image_key, "label_key": label_key})
     label = builder.info.features[label_key]
-    return label.num_classes if isinstance(label, import_tfds().features.ClassLabel) else None
+    return label.num_classes if isinstance(label, tfds_builder.import_tfds().features.ClassLabel) else None
 
 
 def tfds(
@@ -116,12 +69,12 @@ def tfds(
     """A data set function (`sharding.DatasetFn`) over the TFDS data set `name` (see the module
     docstring). `train_split`, `eval_split`: TFDS split names, slices included
     ('train[:99%]', 'validation'). `preprocessing`: the settings of `image_ops.Preprocessing`."""
-    images.check_split_and_seed("tfds", split, seed)
+    pipeline.check_split_and_seed("tfds", split, seed)
     prep = image_ops.preprocessing("tfds", preprocessing)
     checks.integer("data.tfds.shuffle_block", shuffle_block)
     part = sharding_lib.share(global_batch_size, input_context)
     read_own = streams.reads_own("data.tfds.sharding", sharding, auto=part.pipelines > 1)
-    data_set = builder(name, data_dir)
+    data_set = tfds_builder.builder(name, data_dir)
     num_classes = _check_keys(data_set, image_key, label_key)
     eval_data = (
         _read(data_set, eval_split, image_key, label_key, data_dir) if split == "eval" else None
@@ -130,7 +83,7 @@ def tfds(
     def train(part, start):
         own = train_split
         if read_own and part.pipelines > 1:
-            own = import_tfds().even_splits(train_split, n=part.pipelines)[part.pipeline]
+            own = tfds_builder.import_tfds().even_splits(train_split, n=part.pipelines)[part.pipeline]
         data = _read(data_set, own, image_key, label_key, data_dir)
         size = int(data.cardinality())
         if size == 0:
@@ -149,7 +102,7 @@ def tfds(
     def parse(example):
         return image_ops.decode(example[image_key]), tf.cast(example[label_key], tf.int32)
 
-    source = images.ImageSource(
+    source = pipeline.ImageSource(
         name="tfds",
         train=train,
         eval=lambda: eval_data,
@@ -158,4 +111,4 @@ def tfds(
         prep=prep,
         seed=seed,
     )
-    return images.labelled_images(split, input_context, global_batch_size, start_step, source)
+    return pipeline.labelled_images(split, input_context, global_batch_size, start_step, source)

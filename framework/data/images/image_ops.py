@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import tensorflow as tf
 
 from framework.core import checks
-from framework.data import augment
+from framework.data.images import augment
 
 # ImageNet's channel means and standard deviations, for images scaled to [0, 1].
 MEAN = (0.485, 0.456, 0.406)

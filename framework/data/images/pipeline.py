@@ -20,7 +20,8 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from framework.core import checks
-from framework.data import augment, image_ops, sharding, streams
+from framework.data import sharding, streams
+from framework.data.images import augment, image_ops
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".JPG", ".JPEG", ".PNG")
 

@@ -4,7 +4,7 @@
 Each record is a `tf.train.Example` with one document's ids as an int64 list; the ids are checked
 against the vocabulary size on the first records at set-up and on every record in the graph (an
 error, never a clipped id). Files are shared among hosts as `text.TextCorpus` shares its files, and
-the rest is `text.py`'s pipeline: packing, batches, eval padding.
+the rest is the text package's pipeline: packing, batches, eval padding (`rows`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from google.protobuf.message import DecodeError
 
 from framework.core import checks
 from framework.core.errors import BAD_DATA
-from framework.data import sharding, streams, text, tfrecord
-from framework.data import vocab as vocab_lib
+from framework.core.files import list_files
+from framework.data import sharding, streams, text
+from framework.data.text import vocab as vocab_lib
 
 _STATS_RECORDS = 10_000  # token records in the training sample `log_stats` describes
 _CHECKED_RECORDS = 64  # token records checked at set-up
@@ -98,7 +99,7 @@ class TokenRecords:
         if split == "eval" and self.eval_files is None:
             raise ValueError("set TokenRecords.eval_files to evaluate (file names or globs)")
         setting = "train_files" if split == "train" else "eval_files"
-        return tfrecord.list_files(getattr(self, setting), f"TokenRecords.{setting}")
+        return list_files(getattr(self, setting), f"TokenRecords.{setting}")
 
     def _check_records(self, files: list[str], size: int) -> None:
         """The first records of the first file hold int64 ids under `key`, each below `size`."""
