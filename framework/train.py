@@ -248,9 +248,9 @@ def _check_determinism(trainer_class: type, num_steps: int) -> int:
     return 1
 
 
-def _build(trainer_class: type, model_dir: str | None):
+def _build(trainer_class: type, model_dir: str | None, extra_actions=()):
     try:
-        return trainer_class(model_dir)
+        return trainer_class(model_dir, extra_actions=extra_actions)
     except (ValueError, TypeError) as error:
         raise UsageError(f"cannot build the run: {cli.first_line(error)}") from None
 
@@ -258,9 +258,7 @@ def _build(trainer_class: type, model_dir: str | None):
 def _build_and_run(trainer_class: type, model_dir: str, watch=None) -> dict[str, float]:
     """Builds the Trainer from the parsed config, records the run, then runs --mode (with the
     `watch` action after the trainer's own, when given)."""
-    run_trainer = _build(trainer_class, model_dir)
-    if watch is not None:
-        run_trainer.actions.append(watch)
+    run_trainer = _build(trainer_class, model_dir, () if watch is None else (watch,))
     if run_trainer.run_state is not None and run_trainer.run_state.workers > 1:
         _ctrl_c_preempts()
     # Only now, with the config built: a bad one never replaces an earlier run's record.

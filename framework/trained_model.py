@@ -28,11 +28,12 @@ import gin
 import keras
 import tensorflow as tf
 
+import framework.configurables  # noqa: F401  (registers the names config.gin uses)
 from framework import cli
 from framework.core import files
 from framework.core.errors import TrainerError, UsageError
 from framework.rundir import checkpoints
-from framework.trainer import settings  # registers the names config.gin uses (see configurables)
+from framework.trainer import settings
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, ClassVar
 import gin
 import keras
 
-from framework import configurables, remat
+from framework import remat
 from framework.core import checks
 from framework.data.sharding import DatasetFn
 from framework.rundir import lock as run_lock
@@ -24,6 +24,14 @@ from framework.trainer import losses, optim
 
 if TYPE_CHECKING:
     from framework.trainer.actions import Action
+
+# The trainer's own losses and optimizers, as gin names them. The defaults below are these
+# registered functions, so a binding such as `optim.adamw.beta_2 = 0.98` takes effect whether or
+# not `Trainer.optimizer_fn` is bound.
+cross_entropy = gin.external_configurable(losses.cross_entropy, module="losses")
+adamw = gin.external_configurable(optim.adamw, module="optim")
+sgd = gin.external_configurable(optim.sgd, module="optim")
+adafactor = gin.external_configurable(optim.adafactor, module="optim")
 
 
 @gin.configurable("Trainer")
@@ -76,8 +84,8 @@ class TrainerSettings:
     learning_rate: float = 1e-3
     warmup_steps: int = 0
     weight_decay: float = 0.05
-    optimizer_fn: optim.OptimizerFn = configurables.adamw
-    loss_fn: losses.LossFn = configurables.cross_entropy
+    optimizer_fn: optim.OptimizerFn = adamw
+    loss_fn: losses.LossFn = cross_entropy
     clip_norm: float | None = 1.0
     microbatches: int = 1
     divergence_rollbacks: int = 0

@@ -15,11 +15,13 @@ import collections
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+import framework.configurables  # noqa: F401  (registers the library's gin names)
 from framework import memory, remat
 from framework.core.errors import TrainerError
 from framework.data import positions, sharding
@@ -37,9 +39,17 @@ class Trainer:
     `model_dir` is where checkpoints, summaries and the lock live; None trains in memory only
     (nothing restored or written: what the planner and benchmarks use). The settings are
     `TrainerSettings`'s fields, as keywords or bound by gin (`Trainer.train_steps = 100`).
+    `extra_actions` run after the configured ones: what a binary adds to the run it builds
+    (`framework.train`'s memory watch for `remat_policy = "auto"`).
     """
 
-    def __init__(self, model_dir: str | None, **settings):
+    def __init__(
+        self,
+        model_dir: str | None,
+        *,
+        extra_actions: Sequence[actions_lib.Action] = (),
+        **settings,
+    ):
         self.settings = s = TrainerSettings(**settings)
         self.model_dir = model_dir
         self.runtime = s.runtime or Runtime()
@@ -106,7 +116,7 @@ class Trainer:
                 warm_start.warm_start(self.model, s.init_checkpoint)
         elif s.init_checkpoint:
             logging.info("init_checkpoint not used: resuming from the run's own checkpoint")
-        self.actions = [*actions_lib.built_in(model_dir, s), *s.actions]
+        self.actions = (*actions_lib.built_in(model_dir, s), *s.actions, *extra_actions)
         # Built now, so a bad data configuration fails before training (and before the summary
         # writers make directories in model_dir) and gin records it.
         self._eval_dataset = self._dataset("eval")

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from framework import configurables, remat
+from framework import remat
 from framework.models import transformer, vit
-from framework.trainer import Trainer, losses, optim, train_step
+from framework.trainer import Trainer, losses, optim, settings, train_step
 from tests import tiny
 
 
@@ -167,7 +167,7 @@ def test_default_optimizer_and_loss_take_their_gin_bindings(gin_config):
         "optim.adamw.beta_2 = 0.98", "losses.cross_entropy.label_smoothing = 0.2"
     )
     assert trainer.optimizer.beta_2 == pytest.approx(0.98)
-    assert trainer.settings.loss_fn is configurables.cross_entropy
+    assert trainer.settings.loss_fn is settings.cross_entropy
     assert trainer.train()["loss"] > 0
 
 
