@@ -16,7 +16,7 @@ setup(
     packages=find_packages(include=["framework", "framework.*"]),
     # The gin configs ship inside the package: an installed framework finds quickstart.gin;
     # so does the sample text corpus of the language-model configs.
-    package_data={"framework": ["configs/*.gin", "configs/*/*.gin", "data/corpus/*.txt"]},
+    package_data={"framework": ["configs/*.gin", "configs/*/*.gin", "data/text/corpus/*.txt"]},
     install_requires=[
         # TensorFlow 2.20 (the newest TPU build, `tensorflow-tpu`) and 2.21, the range that
         # framework/core/tf_internals.py checks; each tensorflow-text release pins its own

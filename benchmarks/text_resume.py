@@ -3,7 +3,7 @@
     python benchmarks/text_resume.py --size_mb=200 --out=benchmarks/results/text_resume.md
     python benchmarks/text_resume.py --quick      # smoke test: 0.2 MB, 1000 tokens
 
-A text pipeline resumes at the restored step in one of two ways (`framework/data/text.py`): from
+A text pipeline resumes at the restored step in one of two ways (`framework/data/text/`): from
 the stream position its checkpoint holds (the trainer saves one per input pipeline), reading past
 the raw lines before it undecoded; or, without one, by reading its stream up to the step, the
 rows before it read, tokenized, packed and dropped. This writes a corpus of JSON lines

@@ -44,8 +44,9 @@ def load_run(model_dir: str):
     import tensorflow as tf
 
     from framework import trained_model
-    from framework.data import text, tfds_text
-    from framework.data import vocab as vocab_lib
+    from framework.data import text
+    from framework.data.text import tfds as tfds_text
+    from framework.data.text import vocab as vocab_lib
 
     model = trained_model.load(model_dir).model
     vocab_path = os.path.join(model_dir, "vocab.txt")
@@ -73,7 +74,7 @@ def generate(
     import tensorflow as tf
 
     from framework.data import text
-    from framework.data import vocab as vocab_lib
+    from framework.data.text import vocab as vocab_lib
 
     ids = vocab_lib.special_ids(vocab)
     tokenizer = text.make_tokenizer(vocab)

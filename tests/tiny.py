@@ -7,7 +7,7 @@ compare a run of the binary with one built in the test.
 
 import functools
 
-from framework.data import synthetic_images
+from framework.data.images import synthetic
 from framework.models import VisionTransformer
 
 MODEL = dict(image_size=8, patch_size=4, num_classes=4, dim=16, depth=2, num_heads=2, mlp_dim=32)
@@ -18,7 +18,7 @@ TRAINING = dict(
 )
 
 model_fn = functools.partial(VisionTransformer, **MODEL)
-dataset_fn = functools.partial(synthetic_images.shapes, **DATA)
+dataset_fn = functools.partial(synthetic.shapes, **DATA)
 
 TRAINER_ARGS = dict(model_fn=model_fn, dataset_fn=dataset_fn, **TRAINING)
 

@@ -4,7 +4,8 @@ TPU pods need their model_dir on Cloud Storage, so nothing that reads or writes 
 may use `open`, `os` or `pathlib`: those would create `./gs:/BUCKET/...` in the working directory.
 These helpers go through `tf.io.gfile`, which serves local paths, `gs://` and TensorFlow's other
 filesystems (`ram://` in the tests) the same way; `with_retries` repeats a read that failed
-on a transient storage error, so a flaky bucket is not taken for a missing file.
+on a transient storage error, so a flaky bucket is not taken for a missing file. `list_files`
+expands the file names and globs a data source is given, for its errors to name the setting.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import tensorflow as tf
@@ -81,3 +82,31 @@ def with_retries(read: Callable[[], T], what: str) -> T:
             logging.warning("%s failed (%s); retrying in %.0f s", what, error.message, wait)
             time.sleep(wait)
     raise AssertionError("unreachable")
+
+
+def list_files(patterns: str | Sequence[str], setting: str) -> list[str]:
+    """The sorted files matching `patterns` (file names or globs, local or gs://), for the
+    setting named `setting` in errors. Directories a pattern matches are left out (they would
+    fail later, inside tf.data, as "Is a directory"); a pattern matching no file is a ValueError.
+    """
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+    if not patterns:
+        raise ValueError(f"{setting} is empty: give one or more file names or glob patterns")
+    found = set()
+    for pattern in patterns:
+        matches = tf.io.gfile.glob(pattern)
+        if not matches:
+            raise ValueError(f"{setting}: {pattern!r} not found (no file matches it)")
+        # Cloud Storage has no directories, only names: a match ending in '/' stands for one.
+        kept = [
+            path
+            for path in matches
+            if not path.endswith("/") and not (is_local(path) and tf.io.gfile.isdir(path))
+        ]
+        if not kept:
+            raise ValueError(
+                f"{setting}: {pattern!r} is a directory, not a file: name the files in it, "
+                f"e.g. '{pattern.rstrip('/')}/*'"
+            )
+        found.update(kept)
+    return sorted(found)

@@ -1,5 +1,5 @@
 """Opening a TensorFlow Datasets data set and its splits, with errors that say what to do:
-what the image source (`images/tfds.py`) and the text source (`text/tfds.py`) share.
+what the image source (`images/tfds.py`) and the text source (`text/tfds_text.py`) share.
 
 TensorFlow Datasets is an optional extra: `pip install 'framework[tfds]'`.
 """

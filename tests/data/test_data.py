@@ -3,7 +3,7 @@ import pytest
 import tensorflow as tf
 
 from framework.core import checks
-from framework.data import synthetic_images
+from framework.data.images import synthetic
 
 
 def batches(dataset, count):
@@ -11,28 +11,26 @@ def batches(dataset, count):
 
 
 def test_stream_is_deterministic_and_static():
-    first = batches(synthetic_images.shapes("train", global_batch_size=8, image_size=16), 2)
-    again = batches(synthetic_images.shapes("train", global_batch_size=8, image_size=16), 2)
+    first = batches(synthetic.shapes("train", global_batch_size=8, image_size=16), 2)
+    again = batches(synthetic.shapes("train", global_batch_size=8, image_size=16), 2)
     for (a_images, a_labels), (b_images, b_labels) in zip(first, again):
         np.testing.assert_array_equal(a_images, b_images)
         np.testing.assert_array_equal(a_labels, b_labels)
-    spec = synthetic_images.shapes("train", global_batch_size=8, image_size=16).element_spec
+    spec = synthetic.shapes("train", global_batch_size=8, image_size=16).element_spec
     assert spec[0].shape == (8, 16, 16, 3) and spec[1].shape == (8,)
 
 
 def test_start_step_continues_the_stream():
-    stream = batches(synthetic_images.shapes("train", global_batch_size=4, image_size=8), 3)
-    resumed = batches(
-        synthetic_images.shapes("train", global_batch_size=4, image_size=8, start_step=2), 1
-    )
+    stream = batches(synthetic.shapes("train", global_batch_size=4, image_size=8), 3)
+    resumed = batches(synthetic.shapes("train", global_batch_size=4, image_size=8, start_step=2), 1)
     np.testing.assert_array_equal(stream[2][0], resumed[0][0])
 
 
 def test_pipelines_split_each_global_batch_without_overlap():
-    one = batches(synthetic_images.shapes("train", global_batch_size=8, image_size=8), 2)
+    one = batches(synthetic.shapes("train", global_batch_size=8, image_size=8), 2)
     shards = [
         batches(
-            synthetic_images.shapes(
+            synthetic.shapes(
                 "train",
                 tf.distribute.InputContext(
                     num_input_pipelines=2, input_pipeline_id=p, num_replicas_in_sync=4
@@ -51,20 +49,16 @@ def test_pipelines_split_each_global_batch_without_overlap():
 
 def test_held_out_split_is_fixed_and_differs_from_train():
     held_out = batches(
-        synthetic_images.shapes("eval", global_batch_size=16, image_size=8, eval_examples=40), 10
+        synthetic.shapes("eval", global_batch_size=16, image_size=8, eval_examples=40), 10
     )
     assert len(held_out) == 2
-    train = batches(synthetic_images.shapes("train", global_batch_size=16, image_size=8), 1)
+    train = batches(synthetic.shapes("train", global_batch_size=16, image_size=8), 1)
     assert not np.allclose(held_out[0][0], train[0][0])
 
 
 def test_classes_are_balanced_and_learnable_signal_exists():
     images, labels = next(
-        iter(
-            synthetic_images.shapes("train", global_batch_size=512, image_size=16)
-            .unbatch()
-            .batch(512)
-        )
+        iter(synthetic.shapes("train", global_batch_size=512, image_size=16).unbatch().batch(512))
     )
     counts = np.bincount(labels.numpy(), minlength=8)
     assert counts.min() > 512 / 8 * 0.6
@@ -88,7 +82,7 @@ def test_classes_are_balanced_and_learnable_signal_exists():
 def test_bad_arguments(kwargs, error, message):
     args = {"split": "train", "global_batch_size": 4, **kwargs}
     with pytest.raises(error, match=message):
-        synthetic_images.shapes(**args)
+        synthetic.shapes(**args)
 
 
 @pytest.mark.parametrize(

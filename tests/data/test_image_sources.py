@@ -22,9 +22,10 @@ import tensorflow_datasets as tfds
 
 from framework import cli, train
 from framework.core.errors import MissingDependency
-from framework.data import augment, images, sharding, streams
-from framework.data import tfds as tfds_source
-from framework.data import tfrecord as tfrecord_source
+from framework.data import sharding, streams
+from framework.data.images import augment, pipeline
+from framework.data.images import tfds as tfds_source
+from framework.data.images import tfrecord as tfrecord_source
 from tests.data.test_images import write_folder
 
 SIZE = 8  # the images the pipelines make
@@ -287,7 +288,7 @@ AUGMENTED = dict(randaugment_ops=2, randaugment_magnitude=9, mixup_alpha=0.8, cu
 
 
 def folder_data(folders, context=None, **kwargs):
-    return images.image_folder(
+    return pipeline.image_folder(
         "train",
         context,
         global_batch_size=4,

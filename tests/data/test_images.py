@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from framework.data import images, synthetic_images
+from framework.data.images import pipeline, synthetic
 from framework.models import VisionTransformer
 from framework.trainer import Trainer
 from tests import tiny
@@ -20,9 +20,7 @@ def write_folder(root, per_class: int, classes: int = 3, size: int = 20, seed: i
     counts = [0] * classes
     index = 0
     while min(counts) < per_class:
-        image, label = (
-            x.numpy() for x in synthetic_images.make_example(index, seed, size, classes)
-        )
+        image, label = (x.numpy() for x in synthetic.make_example(index, seed, size, classes))
         index += 1
         if counts[label] == per_class:
             continue
@@ -47,7 +45,7 @@ def folders(tmp_path_factory):
 
 def data(folders, split="train", context=None, batch=4, **kwargs):
     train, eval_ = folders
-    return images.image_folder(
+    return pipeline.image_folder(
         split,
         context,
         global_batch_size=batch,
@@ -64,7 +62,7 @@ def batches(dataset, count=None):
 
 
 def test_classes_are_sorted_sub_directories(folders):
-    files, labels, classes = images.folder_examples(folders[0])
+    files, labels, classes = pipeline.folder_examples(folders[0])
     assert classes == ["class_0", "class_1", "class_2"] and len(files) == 12
     assert all(f"class_{label}/" in path for path, label in zip(files, labels))
 
@@ -121,13 +119,13 @@ def test_bad_arguments_are_clear_errors(folders, tmp_path, kwargs, message):
     train, eval_ = folders
     args = {"global_batch_size": 4, "train_directory": train, "eval_directory": eval_, **kwargs}
     with pytest.raises(ValueError, match=message):
-        images.image_folder("train", **args)
+        pipeline.image_folder("train", **args)
 
 
 def test_eval_classes_must_match(folders, tmp_path):
     other = write_folder(tmp_path / "other", per_class=1, classes=2)
     with pytest.raises(ValueError, match="eval folder's classes"):
-        images.image_folder(
+        pipeline.image_folder(
             "eval", global_batch_size=2, train_directory=folders[0], eval_directory=other
         )
 
@@ -142,7 +140,7 @@ def test_a_quick_run_learns_from_a_folder_of_image_files(tmp_path):
             VisionTransformer, **{**tiny.MODEL, "image_size": 16, "dim": 32, "mlp_dim": 64}
         ),
         dataset_fn=functools.partial(
-            images.image_folder, train_directory=train, eval_directory=eval_, image_size=16
+            pipeline.image_folder, train_directory=train, eval_directory=eval_, image_size=16
         ),
         global_batch_size=32,
         train_steps=150,

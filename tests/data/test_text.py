@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from framework.data import packing, positions, text, tfrecord, vocab
+from framework.core import files
+from framework.data import positions, text
+from framework.data.text import packing, vocab
 
 WORDS = (
     "the model trains on packed rows of tokens while attention stays inside each document and "
@@ -185,8 +187,8 @@ def test_a_directory_in_files_is_one_clear_error(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "b.txt").write_text("a document\n")
     with pytest.raises(ValueError, match=r"TextCorpus.files: '.*docs' is a directory.*docs/\*'"):
-        tfrecord.list_files([str(tmp_path / "docs")], "TextCorpus.files")
-    assert tfrecord.list_files(str(tmp_path / "*"), "TextCorpus.files") == [str(tmp_path / "b.txt")]
+        files.list_files([str(tmp_path / "docs")], "TextCorpus.files")
+    assert files.list_files(str(tmp_path / "*"), "TextCorpus.files") == [str(tmp_path / "b.txt")]
 
 
 @pytest.mark.parametrize(

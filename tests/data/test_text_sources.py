@@ -19,7 +19,8 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from framework import sample, train
-from framework.data import json_lines, text, tfds_text, token_records, vocab
+from framework.data import text
+from framework.data.text import json_lines, tfds_text, token_records, vocab
 from tests.data.test_image_sources import train_binary
 
 # Characters that stress the decoding: escapes, quotes, brackets, non-BMP, lone surrogates.

@@ -12,7 +12,8 @@ import pytest
 import tensorflow as tf
 
 from framework import remat, sample
-from framework.data import text, vocab
+from framework.data import text
+from framework.data.text import vocab
 from framework.models import language
 from framework.trainer import trainer
 from tests.subprocesses import REPO_DIR, child_env

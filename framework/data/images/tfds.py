@@ -25,8 +25,8 @@ from __future__ import annotations
 import tensorflow as tf
 
 from framework.core import checks
-from framework.data import streams, tfds_builder
 from framework.data import sharding as sharding_lib
+from framework.data import streams, tfds_builder
 from framework.data.images import image_ops, pipeline
 
 
@@ -46,7 +46,11 @@ def _check_keys(builder, image_key: str, label_key: str) -> int | None:
     """The number of classes of the label feature (None if it is not a ClassLabel)."""
     tfds_builder.check_features(builder, {"image_key": image_key, "label_key": label_key})
     label = builder.info.features[label_key]
-    return label.num_classes if isinstance(label, tfds_builder.import_tfds().features.ClassLabel) else None
+    return (
+        label.num_classes
+        if isinstance(label, tfds_builder.import_tfds().features.ClassLabel)
+        else None
+    )
 
 
 def tfds(
@@ -83,7 +87,9 @@ def tfds(
     def train(part, start):
         own = train_split
         if read_own and part.pipelines > 1:
-            own = tfds_builder.import_tfds().even_splits(train_split, n=part.pipelines)[part.pipeline]
+            own = tfds_builder.import_tfds().even_splits(train_split, n=part.pipelines)[
+                part.pipeline
+            ]
         data = _read(data_set, own, image_key, label_key, data_dir)
         size = int(data.cardinality())
         if size == 0:

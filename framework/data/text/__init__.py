@@ -1,16 +1,16 @@
 """Language-model data: text or token ids from files or TFDS, packed into rows of tokens.
 
-Modules: `documents` (text files into documents), `tokens` (WordPiece), `sources` (what a source
-gives), `corpus` (the user's text files), `tfds` and `token_records` (the other sources), `rows`
-(packing, sharding, resuming), `examples` (`text_lm`, `text_mlm`), with `vocab`, `packing` and
-`json_lines`. The names below are the package's public surface.
+Modules: `documents` (text files into documents), `tokens` (WordPiece), `sources` (what a
+source gives), `corpus` (the user's text files), `tfds_text` and `token_records` (the other
+sources), `rows` (packing, sharding, resuming), `examples` (`text_lm`, `text_mlm`), with `vocab`,
+`packing` and `json_lines`. The names below are the package's public surface.
 
 `text_lm` (decoder LM: predict the next token) and `text_mlm` (BERT masked LM) read any of three
 sources (`TokenSource`), each a frozen dataclass bound in gin as `data.text_lm.corpus`:
 
 - `TextCorpus`: the user's text files (plain text, or JSON lines with a text field decoded in the
   graph, `json_lines`), split into train and eval by a hash of each document.
-- `tfds.TfdsText`: a text feature of a TensorFlow Datasets data set (lm1b, c4, ...), its
+- `tfds_text.TfdsText`: a text feature of a TensorFlow Datasets data set (lm1b, c4, ...), its
   own splits.
 - `token_records.TokenRecords`: TFRecord files of token ids tokenized elsewhere (seqio caches).
 

@@ -31,6 +31,7 @@ from framework.data.text.tokens import (
     tokenizer_for,
 )
 
+
 @dataclasses.dataclass(frozen=True)
 class TextCorpus:
     """The user's text files: where the text is and how it becomes rows.

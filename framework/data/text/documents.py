@@ -65,9 +65,7 @@ def read_documents(
     and a bad line further on stops the pipeline with an error naming file:line.
     """
     paths = text_files(files, json_field)
-    return tf.data.Dataset.from_tensor_slices(paths).flat_map(
-        file_reader(document_per, json_field)
-    )
+    return tf.data.Dataset.from_tensor_slices(paths).flat_map(file_reader(document_per, json_field))
 
 
 def text_files(files: str | Sequence[str], json_field: str | None) -> list[str]:

@@ -14,6 +14,7 @@ from framework.data.text import vocab as vocab_lib
 from framework.data.text.rows import packed_rows
 from framework.data.text.sources import TokenSource
 
+
 def lm_example(rows: dict[str, tf.Tensor]):
     """(inputs, targets, weights) for next-token prediction on packed rows [B, T].
 

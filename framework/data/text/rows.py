@@ -16,6 +16,7 @@ from framework.data.text.corpus import TextCorpus
 from framework.data.text.sources import TokenSource, TrainStream
 from framework.data.text.tokens import Vocabulary
 
+
 def corpus_stats(tokens: tf.data.Dataset, vocab_size: int) -> dict[str, float]:
     """Documents, predicted tokens and their unigram entropy in nats (what a bigram-blind model
     would score); the first token of each document ([BOS]) is never predicted, so it is left out.

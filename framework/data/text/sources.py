@@ -14,6 +14,7 @@ from framework.core import checks
 from framework.data import sharding, streams
 from framework.data.text.tokens import Vocabulary
 
+
 @dataclasses.dataclass(frozen=True)
 class TrainStream:
     """A source's training data, in the form a resumed run can seek in: raw units that are

@@ -11,6 +11,7 @@ import tensorflow_text as tf_text
 
 from framework.data.text import vocab as vocab_lib
 
+
 def make_tokenizer(vocab: list[str]) -> tf_text.FastWordpieceTokenizer:
     """WordPiece over whitespace-separated words, with detokenization, int32 ids."""
     return tf_text.FastWordpieceTokenizer(
