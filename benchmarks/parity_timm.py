@@ -1,4 +1,4 @@
-"""Parity with timm: published-layout weights imported by `framework.models.vit_weights` give
+"""Parity with timm: published-layout weights imported by `framework.models.weights` give
 timm's logits.
 
 Needs PyTorch and timm, which the framework does not depend on: run it in an environment that has
@@ -42,7 +42,7 @@ import numpy as np
 import tensorflow as tf
 from remat_policies import machine, write_report
 
-from framework.models import vit, vit_weights
+from framework.models import vit, weights
 
 TOLERANCE = 1e-4  # float32, 12 blocks
 
@@ -123,13 +123,13 @@ def measure(quick: bool, scratch: str) -> list[tuple[str, str, str]]:
     path = os.path.join(scratch, "timm.safetensors")
     save_file(state, path)
     ours = our_model(size)
-    vit_weights.load_weights(ours, path)
+    weights.load_weights(ours, path)
     row(f"`{name}` state dict, .safetensors (F32)", *logits_gap(theirs, ours, 224))
 
     path = os.path.join(scratch, "timm.npz")
     np.savez(path, **{k: v.numpy() for k, v in state.items()})
     ours = our_model(size)
-    vit_weights.load_weights(ours, path)
+    weights.load_weights(ours, path)
     row(f"`{name}` state dict, .npz", *logits_gap(theirs, ours, 224))
 
     path = os.path.join(scratch, "vit.npz")
@@ -137,7 +137,7 @@ def measure(quick: bool, scratch: str) -> list[tuple[str, str, str]]:
     flax_timm = timm_model(name)
     flax_timm.load_pretrained(path)
     ours = our_model(size, approximate_gelu=False)
-    vit_weights.load_weights(ours, path)
+    weights.load_weights(ours, path)
     row("original ViT .npz (Flax names), read by timm and by us", *logits_gap(flax_timm, ours, 224))
 
     if not quick:
@@ -149,14 +149,14 @@ def measure(quick: bool, scratch: str) -> list[tuple[str, str, str]]:
         )
         big.load_state_dict(resized)
         ours = our_model(size, image_size=384)
-        vit_weights.load_weights(ours, path)
+        weights.load_weights(ours, path)
         row(
             "224 px state dict into 384 px models (bilinear positions)", *logits_gap(big, ours, 384)
         )
         bicubic = resample_abs_pos_embed(
             state["pos_embed"], [24, 24], interpolation="bicubic", antialias=False
         ).numpy()
-        ours_bicubic = vit_weights.resize_positions(state["pos_embed"].numpy(), 24, "bicubic")
+        ours_bicubic = weights.resize_positions(state["pos_embed"].numpy(), 24, "bicubic")
         gap = float(np.abs(bicubic - ours_bicubic).max())
         scale = float(np.abs(bicubic).max())
         rows.append(

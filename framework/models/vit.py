@@ -24,7 +24,7 @@ class VisionTransformer(keras.Model):
 
     `approximate_gelu=True` computes GELU by its tanh approximation, as the original ViT and
     big_vision did: their published weights then give the same outputs here (timm's use the
-    exact form, the default). `framework.models.vit_weights` imports published weights.
+    exact form, the default). `framework.models.weights` imports published weights.
     """
 
     def __init__(

@@ -15,7 +15,7 @@ under the model's own object graph, and the model restores it, which checks that
 is matched. (TensorFlow's `ram://` filesystem would spare the disk, but it takes a checkpoint's
 prefix for a directory.)
 
-A published ViT weights file (`.npz`, `.safetensors`) is read by `framework.models.vit_weights`
+A published ViT weights file (`.npz`, `.safetensors`) is read by `framework.models.weights`
 instead, under the same rules: a new head is re-initialised and listed, anything else missing
 or of another shape is an error.
 """
@@ -34,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from framework.core import files, tf_internals
-from framework.models import vit_weights
+from framework.models import weights
 from framework.rundir import checkpoints
 
 # The checkpoint key TensorFlow stores the object graph under (it maps objects to keys).
@@ -118,17 +118,17 @@ def _keys_in(reader, own_keys: list[str]) -> dict[str, str]:
     return found
 
 
-def warm_start(model: keras.Model, source: str) -> WarmStart | vit_weights.Imported:
+def warm_start(model: keras.Model, source: str) -> WarmStart | weights.Imported:
     """Initialises `model`'s weights from the checkpoint `source` (see the module docstring).
 
     The checkpoint must have been written as `tf.train.Checkpoint(model=...)` (the trainer's
     are), of the same model class: keys are the paths of the weights in the model. A `.npz` or
-    `.safetensors` file holds published ViT weights instead (`vit_weights.load_weights`).
+    `.safetensors` file holds published ViT weights instead (`weights.load_weights`).
     """
-    if vit_weights.is_weights_file(source):
+    if weights.is_weights_file(source):
         try:
-            imported = vit_weights.load_weights(model, source)
-        except vit_weights.WeightsError as error:
+            imported = weights.load_weights(model, source)
+        except weights.WeightsError as error:
             raise WarmStartError(f"init_checkpoint: {error}") from None
         logging.info("warm start from %s", imported.summary())
         return imported

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from framework.models import VisionTransformer, vit_weights
+from framework.models import VisionTransformer, weights
 from framework.trainer import Trainer, warm_start
 from tests import tiny
 
@@ -256,7 +256,7 @@ def test_timm_weights_give_timms_outputs(tmp_path, suffix):
     else:
         write_safetensors(path, sd)
     model = VisionTransformer(**MODEL)
-    result = vit_weights.load_weights(model, str(path))
+    result = weights.load_weights(model, str(path))
     assert result.layout == "timm" and not result.reinitialized and not result.notes
     assert len(result.taken) == len(model.trainable_variables) == len(sd)
     np.testing.assert_allclose(model(images()), timm_forward(sd, images()), atol=2e-5)
@@ -271,12 +271,12 @@ def test_flax_weights_give_their_outputs(tmp_path, style, scan_layers):
     path = tmp_path / "vit.npz"
     np.savez(path, **flax_npz(tree, style))
     model = VisionTransformer(**MODEL, approximate_gelu=True, scan_layers=scan_layers)
-    result = vit_weights.load_weights(model, str(path))
+    result = weights.load_weights(model, str(path))
     assert result.layout == style.removesuffix("_scanned") and not result.notes
     assert result.dropped == (("pre_logits/bias", "pre_logits/kernel") if style == "vit" else ())
     np.testing.assert_allclose(model(images()), flax_forward(tree, images()), atol=2e-5)
     exact = VisionTransformer(**MODEL)  # the exact GELU: close, not equal, and said so
-    assert "tanh approximation" in vit_weights.load_weights(exact, str(path)).summary()
+    assert "tanh approximation" in weights.load_weights(exact, str(path)).summary()
     assert not np.allclose(exact(images()), flax_forward(tree, images()), atol=2e-5)
 
 
@@ -285,7 +285,7 @@ def test_a_head_for_other_classes_is_reinitialised_and_listed(tmp_path):
     np.savez(tmp_path / "vit.npz", **sd)
     model = VisionTransformer(**MODEL)
     fresh = [model.head.kernel.numpy(), model.head.bias.numpy()]
-    result = vit_weights.load_weights(model, str(tmp_path / "vit.npz"))
+    result = weights.load_weights(model, str(tmp_path / "vit.npz"))
     assert result.reinitialized == (
         ("head/kernel", (DIM, 7), (DIM, CLASSES)),
         ("head/bias", (7,), (CLASSES,)),
@@ -297,7 +297,7 @@ def test_a_head_for_other_classes_is_reinitialised_and_listed(tmp_path):
 
     del sd["head.weight"], sd["head.bias"]  # a feature extractor's file: no head at all
     np.savez(tmp_path / "headless.npz", **sd)
-    result = vit_weights.load_weights(VisionTransformer(**MODEL), str(tmp_path / "headless.npz"))
+    result = weights.load_weights(VisionTransformer(**MODEL), str(tmp_path / "headless.npz"))
     assert [(name, theirs) for name, theirs, _ in result.reinitialized] == [
         ("head/kernel", None),
         ("head/bias", None),
@@ -316,27 +316,27 @@ def bilinear(table: np.ndarray, size: int) -> np.ndarray:
 
 def test_positions_are_resized_on_the_grid_keeping_the_class_token(tmp_path):
     positions = normal(np.random.default_rng(3), 1, 1 + 9, DIM)
-    assert vit_weights.resize_positions(positions, 3) is positions  # the same grid
-    resized = vit_weights.resize_positions(positions, 5)
+    assert weights.resize_positions(positions, 3) is positions  # the same grid
+    resized = weights.resize_positions(positions, 5)
     assert resized.shape == (1, 1 + 25, DIM)
     np.testing.assert_array_equal(resized[:, 0], positions[:, 0])
     table = positions[0, 1:].reshape(3, 3, DIM)
     np.testing.assert_allclose(resized[0, 1:], bilinear(table, 5).reshape(25, DIM), atol=1e-6)
-    smaller = vit_weights.resize_positions(positions, 2)  # no antialiasing, as timm's npz loader
+    smaller = weights.resize_positions(positions, 2)  # no antialiasing, as timm's npz loader
     np.testing.assert_allclose(smaller[0, 1:], bilinear(table, 2).reshape(4, DIM), atol=1e-6)
-    gridded = vit_weights.resize_positions(positions[:, 1:], 3)  # big_vision: no class position
+    gridded = weights.resize_positions(positions[:, 1:], 3)  # big_vision: no class position
     np.testing.assert_array_equal(gridded[:, 0], 0.0)
     np.testing.assert_array_equal(gridded[:, 1:], positions[:, 1:])
 
     sd = timm_state_dict(grid=2)  # pretrained at 8 px, fine-tuned at 12 px
     write_safetensors(tmp_path / "vit.safetensors", sd)
     model = VisionTransformer(**{**MODEL, "image_size": 12})
-    result = vit_weights.load_weights(model, str(tmp_path / "vit.safetensors"))
+    result = weights.load_weights(model, str(tmp_path / "vit.safetensors"))
     assert result.resized == (2, 3) and "from a 2x2 grid to 3x3" in result.summary()
     np.testing.assert_array_equal(model.positions.numpy()[:, 0], sd["pos_embed"][:, 0])
     assert model(images(12)).shape == (2, CLASSES)
     bicubic = VisionTransformer(**{**MODEL, "image_size": 12})
-    vit_weights.load_weights(bicubic, str(tmp_path / "vit.safetensors"), interpolation="bicubic")
+    weights.load_weights(bicubic, str(tmp_path / "vit.safetensors"), interpolation="bicubic")
     assert not np.allclose(bicubic.positions.numpy(), model.positions.numpy())
 
 
@@ -363,8 +363,8 @@ def test_a_file_of_another_model_is_an_error_naming_the_tensor(tmp_path, change,
     np.savez(tmp_path / "vit.npz", **sd)
     model = VisionTransformer(**{**MODEL, "num_heads": 2 if change == "heads" else HEADS})
     before = model.patch_embed.kernel.numpy()
-    with pytest.raises(vit_weights.WeightsError, match=message):
-        vit_weights.load_weights(model, str(tmp_path / "vit.npz"))
+    with pytest.raises(weights.WeightsError, match=message):
+        weights.load_weights(model, str(tmp_path / "vit.npz"))
     np.testing.assert_array_equal(model.patch_embed.kernel.numpy(), before)  # untouched
 
 
@@ -372,21 +372,21 @@ def test_half_precision_is_read_as_float32_and_a_broken_file_is_an_error(tmp_pat
     values = {"a": normal(np.random.default_rng(0), 3, 4), "b": np.float32([1.0, -2.5, 3e-3])}
     for dtype, rounded in (("F16", np.float16), ("BF16", ml_dtypes.bfloat16)):
         write_safetensors(tmp_path / "t.safetensors", values, dtype)
-        read = vit_weights.read_safetensors((tmp_path / "t.safetensors").read_bytes())
+        read = weights.read_safetensors((tmp_path / "t.safetensors").read_bytes())
         for name, value in values.items():
             assert read[name].dtype == np.float32 and read[name].shape == value.shape
             np.testing.assert_array_equal(read[name], value.astype(rounded).astype(np.float32))
     data = (tmp_path / "t.safetensors").read_bytes()
-    with pytest.raises(vit_weights.WeightsError, match="truncated or corrupt"):
-        vit_weights.read_safetensors(data[:-4])
+    with pytest.raises(weights.WeightsError, match="truncated or corrupt"):
+        weights.read_safetensors(data[:-4])
     (tmp_path / "broken.npz").write_bytes(data)
-    with pytest.raises(vit_weights.WeightsError, match="broken.npz is not a readable .npz file"):
-        vit_weights.read_arrays(str(tmp_path / "broken.npz"))
+    with pytest.raises(weights.WeightsError, match="broken.npz is not a readable .npz file"):
+        weights.read_arrays(str(tmp_path / "broken.npz"))
     # JAX's bfloat16 in a .npz: NumPy stores it as 2-byte void.
     sd = {k: v.astype(ml_dtypes.bfloat16) for k, v in timm_state_dict().items()}
     np.savez(tmp_path / "bf16.npz", **sd)
     model = VisionTransformer(**MODEL)
-    vit_weights.load_weights(model, str(tmp_path / "bf16.npz"))
+    weights.load_weights(model, str(tmp_path / "bf16.npz"))
     np.testing.assert_array_equal(model.norm.gamma.numpy(), sd["norm.weight"].astype(np.float32))
 
 
