@@ -39,7 +39,7 @@ from tensorflow.tsl.profiler.protobuf import xplane_pb2 as xplane_pb2
 
 # Releases (major.minor) the test suite passed on; 2.20 is the newest TPU build (`tensorflow-tpu`).
 # Keep in step with setup.py's `tensorflow` and `tensorflow-text` ranges, .ci/run and the copy in
-# launch/tpu_pod.py (which runs where TensorFlow is not installed; a test compares the two).
+# launch/tpu/topology.py (which runs where TensorFlow is not installed; a test compares the two).
 SUPPORTED_TENSORFLOW = ("2.20", "2.21")
 
 

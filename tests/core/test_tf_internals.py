@@ -31,9 +31,9 @@ def test_the_installed_tensorflow_is_supported_and_matches_setup_py():
 
 
 def test_the_tpu_launcher_checks_the_same_releases():
-    from launch import tpu_pod  # keeps its own copy: it runs where TensorFlow need not be installed
+    from launch.tpu import topology  # its own copy: it runs where TensorFlow need not be installed
 
-    assert tpu_pod.SUPPORTED_TENSORFLOW == tf_internals.SUPPORTED_TENSORFLOW
+    assert topology.SUPPORTED_TENSORFLOW == tf_internals.SUPPORTED_TENSORFLOW
 
 
 @pytest.mark.tf_compat

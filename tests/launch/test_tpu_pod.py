@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from framework.memory import tpu
-from launch import tpu_pod
+from launch.tpu import commands, topology
 from tests import fake_gcloud
 from tests.subprocesses import REPO_DIR, TESTS_DIR
 
@@ -133,15 +133,15 @@ def verbs(calls: list[list[str]]) -> list[str]:
     ],
 )
 def test_default_runtime_follows_the_hosts_of_the_accelerator_type(accelerator_type, multi_host):
-    assert tpu_pod.is_multi_host(accelerator_type) is multi_host
+    assert topology.is_multi_host(accelerator_type) is multi_host
     pod = "-pod" if multi_host else ""
-    assert tpu_pod.default_runtime(accelerator_type) == f"tpu-vm-tf-2.20.0{pod}-pjrt"
+    assert topology.default_runtime(accelerator_type) == f"tpu-vm-tf-2.20.0{pod}-pjrt"
 
 
 def test_the_peak_tflops_follow_the_accelerator_type_unless_the_user_binds_them():
     def flags(accelerator_type, *train_args):
         args = argparse.Namespace(name="pod1", train_args=list(train_args))
-        return tpu_pod.training_command(args, accelerator_type)[0]
+        return commands.training_command(args, accelerator_type)[0]
 
     assert flags("v3-8")[-1] == "--gin.Runtime.peak_tflops=61.5"  # a TensorCore: half a chip
     assert flags("v6e-16")[-2:] == [
@@ -150,13 +150,14 @@ def test_the_peak_tflops_follow_the_accelerator_type_unless_the_user_binds_them(
     ]
     mine = "--gin.Runtime.peak_tflops=100"
     assert [flag for flag in flags("v4-8", mine) if "peak_tflops" in flag] == [mine]
-    for family in (*tpu_pod.CORE_NAMED, *tpu_pod.CHIP_NAMED):
-        assert tpu_pod.TPU_PEAK_TFLOPS[family] > 0
+    for family in (*topology.CORE_NAMED, *topology.CHIP_NAMED):
+        assert topology.TPU_PEAK_TFLOPS[family] > 0
     # The chips the TPU compiler plans for, and their peaks, are the memory module's.
     chips = tpu.TPU_CHIPS.values()
-    assert set(tpu_pod.PLANNABLE) == {c.name for c in chips} | {c.accelerator_prefix for c in chips}
-    for family in tpu_pod.PLANNABLE:
-        assert tpu_pod.TPU_PEAK_TFLOPS[family] * 1e12 == tpu.tpu_chip(family).peak_flops
+    named = {c.name for c in chips} | {c.accelerator_prefix for c in chips}
+    assert set(topology.PLANNABLE) == named
+    for family in topology.PLANNABLE:
+        assert topology.TPU_PEAK_TFLOPS[family] * 1e12 == tpu.tpu_chip(family).peak_flops
 
 
 def test_newest_runtime_of_a_zone_for_the_supported_tensorflow():
@@ -168,10 +169,10 @@ def test_newest_runtime_of_a_zone_for_the_supported_tensorflow():
         "tpu-vm-tf-2.20.0-se",
         "tpu-ubuntu2204-base",
     ]
-    assert tpu_pod.newest_runtime(names, "v4-8") == "tpu-vm-tf-2.20.0-pjrt"
-    assert tpu_pod.newest_runtime(names, "v4-32") == "tpu-vm-tf-2.20.0-pod-pjrt"
-    assert tpu_pod.newest_runtime(names, "v5litepod-16") == "tpu-vm-tf-2.20.0-pod-pjrt-v5e-and-v6"
-    assert tpu_pod.newest_runtime(names[:1], "v4-8") is None
+    assert topology.newest_runtime(names, "v4-8") == "tpu-vm-tf-2.20.0-pjrt"
+    assert topology.newest_runtime(names, "v4-32") == "tpu-vm-tf-2.20.0-pod-pjrt"
+    assert topology.newest_runtime(names, "v5litepod-16") == "tpu-vm-tf-2.20.0-pod-pjrt-v5e-and-v6"
+    assert topology.newest_runtime(names[:1], "v4-8") is None
 
 
 def test_versions_lists_the_zones_tensorflow_runtimes(cloud):

@@ -1,0 +1,3 @@
+"""The Cloud TPU launcher's parts (`launch/tpu_pod.py` is its command line): `topology` (accelerator
+types, peaks, runtime names), `gcloud` (running commands), `records` (what each TPU was given),
+`remote` (the scripts run on the VMs), `commands` (the subcommands), `errors`."""
