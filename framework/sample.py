@@ -45,7 +45,7 @@ def load_run(model_dir: str):
 
     from framework import trained_model
     from framework.data import text
-    from framework.data.text import tfds as tfds_text
+    from framework.data.text import tfds_text
     from framework.data.text import vocab as vocab_lib
 
     model = trained_model.load(model_dir).model
