@@ -55,7 +55,7 @@ class TextCorpus:
       the learner's time grows faster than linearly with them (vocab.MAX_WORDS).
     log_stats: log documents, tokens, unigram entropy and padding share of the eval split and of
       the training sample (one pass over each).
-    sharding: 'auto', 'read_own' or 'read_all' (the module docstring).
+    sharding: 'auto', 'read_own' or 'read_all' (the package docstring, `framework.data.text`).
     cycle_length: files read at a time, interleaved document by document, when training.
     """
 
