@@ -11,7 +11,17 @@ remat policy, and measures for each layout:
 - the allocator's peak of one steady step beyond what was live before it;
 - the step time, the two layouts timed in alternation, and the scanned/unrolled ratio.
 
+With `--target=v5e` (any chip `framework.memory.tpu.tpu_chip` knows) it compiles both steps for
+that TPU with libtpu's compiler instead and reports its plan only: nothing runs, so there is no
+peak or step time, and compile time is the TPU compiler's on this host.
+
+The default update is the trainer's (gradients clipped by their global norm, then AdamW), which
+needs every gradient before the first update in both layouts. With `--optimizer=sgd` each
+unrolled layer is updated as soon as its gradients exist, while the scanned stack's gradient is
+one `[depth, ...]` buffer per block variable that exists whole before its update (as in JAX).
+
     python benchmarks/scan_layers.py --out=benchmarks/results/scan_layers.md
+    python benchmarks/scan_layers.py --target=v5e --out=benchmarks/results/scan_layers_tpu_v5e.md
     python benchmarks/scan_layers.py --quick
 """
 
@@ -78,15 +88,29 @@ def train_step(model, optimizer: str = "sgd", learning_rate: float = 1e-4):
     return step
 
 
-def measure(depth: int, policy: str, steps: int, quick: bool, optimizer: str) -> dict:
-    tf.function(lambda: tf.constant(1.0) + 1.0, jit_compile=True)()  # pay XLA's set-up once
+def measure(
+    depth: int, policy: str, steps: int, quick: bool, optimizer: str, target: str | None = None
+) -> dict:
     batch, size = (2, 32) if quick else (8, 224)
+    result = {"depth": depth, "policy": policy}
+    if target:
+        x = tf.TensorSpec((batch, size, size, 3), tf.float32)
+        y = tf.TensorSpec((batch,), tf.int32)
+        for name in ("unrolled", "scanned"):
+            model = build(depth, scan=name == "scanned", quick=quick)
+            remat.set_grad_checkpointing(model, policy=policy)
+            start = time.perf_counter()
+            plan = memory.compiled_bytes(train_step(model, optimizer), x, y, target=target)
+            result[f"{name}_compile_s"] = time.perf_counter() - start
+            result[f"{name}_temp"], result[f"{name}_total"] = plan.temp_bytes, plan.total_bytes
+            result["compiler"] = plan.compiler
+        return result
+    tf.function(lambda: tf.constant(1.0) + 1.0, jit_compile=True)()  # pay XLA's set-up once
     x = tf.random.stateless_normal((batch, size, size, 3), seed=(1, 2))
     y = tf.random.stateless_uniform((batch,), seed=(3, 4), maxval=10, dtype=tf.int32)
     unrolled = build(depth, scan=False, quick=quick)
     scanned = build(depth, scan=True, quick=quick)
     transformer.copy_weights(unrolled, scanned)
-    result = {"depth": depth, "policy": policy}
     step_fns = {}
     for name, model in (("unrolled", unrolled), ("scanned", scanned)):
         remat.set_grad_checkpointing(model, policy=policy)
@@ -97,6 +121,7 @@ def measure(depth: int, policy: str, steps: int, quick: bool, optimizer: str) ->
         plan = memory.compiled_bytes(step, x, y)
         result[f"{name}_temp"], result[f"{name}_total"] = plan.temp_bytes, plan.total_bytes
         result[f"{name}_peak"] = memory.peak_bytes(step, x, y).step_bytes
+        result["compiler"] = plan.compiler
         step_fns[name] = step
     times = median_step_times([step_fns["unrolled"], step_fns["scanned"]], x, y, steps)
     result["unrolled_step_s"], result["scanned_step_s"] = times
@@ -105,46 +130,85 @@ def measure(depth: int, policy: str, steps: int, quick: bool, optimizer: str) ->
     return result
 
 
-def run_child(depth: int, policy: str, steps: int, quick: bool, optimizer: str) -> dict:
+def run_child(
+    depth: int, policy: str, steps: int, quick: bool, optimizer: str, target: str | None
+) -> dict:
     """Runs `measure` in a fresh Python process."""
     args = [f"--child={depth}", f"--policy={policy}", f"--steps={steps}"]
-    args.append(f"--optimizer={optimizer}")
+    args += [f"--optimizer={optimizer}"] + ([f"--target={target}"] if target else [])
     return child_json(
         __file__, args + (["--quick"] if quick else []), {"depth": depth, "policy": policy}
     )
 
 
 def format_report(
-    results: list[dict], command: str, started: datetime.datetime, quick, optimizer: str
+    results: list[dict],
+    command: str,
+    started: datetime.datetime,
+    quick: bool,
+    optimizer: str,
+    target: str | None,
 ) -> str:
     mib = 2.0**20
     model = "tiny ViT (width 32)" if quick else "ViT-S/16 (width 384, 6 heads, MLP 1536)"
+    update = "SGD" if optimizer == "sgd" else "global-norm clipping + AdamW"
+    compiler = next((r["compiler"] for r in results if "compiler" in r), "XLA")
+    if target:
+        how = (
+            f"Plans of {compiler}'s compiler on this host (nothing runs): compile s is the TPU "
+            "compiler's time here; temps and total (with weights and optimizer state) from its "
+            "buffer assignment."
+        )
+        header = (
+            "| depth | policy | compile s unrolled | compile s scanned | temp MiB unrolled "
+            "| temp MiB scanned | temp scanned / unrolled | total MiB unrolled "
+            "| total MiB scanned |"
+        )
+    else:
+        how = (
+            f"Compile: first call minus a steady step. Temps and total from {compiler}'s plan. "
+            "Peak: allocator peak of a steady step beyond what was live before it. Step times "
+            "in alternation."
+        )
+        header = (
+            "| depth | policy | compile s unrolled | compile s scanned | XLA temp MiB unrolled "
+            "| XLA temp MiB scanned | temp scanned / unrolled | peak MiB unrolled "
+            "| peak MiB scanned | step s unrolled | step time scanned / unrolled |"
+        )
     lines = [
         f"Command: `{command}`",
         f"Date: {started:%Y-%m-%d %H:%M}, load average {os.getloadavg()[0]:.1f}",
         f"Machine: {machine()}",
-        f"Model: {model}, batch {2 if quick else 8}, dropout 0.1, "
-        f"{'SGD' if optimizer == 'sgd' else 'global-norm clipping + AdamW'} step under "
-        "`tf.function(jit_compile=True)`; remat policy as listed on every block / loop step. "
-        "Compile: first call minus a steady step. Peak: allocator peak of a steady step beyond "
-        "what was live before it. Each depth in a fresh process; step times in alternation.",
+        f"Model: {model}, batch {2 if quick else 8}, dropout 0.1, {update} step under "
+        "`tf.function(jit_compile=True)`; remat policy as listed on every block / loop step; "
+        f"each depth in a fresh process. {how}",
         "",
-        "| depth | policy | compile s unrolled | compile s scanned | XLA temp MiB unrolled "
-        "| XLA temp MiB scanned | peak MiB unrolled | peak MiB scanned | step s unrolled "
-        "| step time scanned / unrolled |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        header,
+        "|" + "---|" * (header.count("|") - 1),
     ]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['depth']} | `{r['policy']}` | {r['error']} |")
             continue
-        lines.append(
-            f"| {r['depth']} | `{r['policy']}` | {r['unrolled_compile_s']:.1f} "
-            f"| {r['scanned_compile_s']:.1f} | {r['unrolled_temp'] / mib:.1f} "
-            f"| {r['scanned_temp'] / mib:.1f} | {r['unrolled_peak'] / mib:.1f} "
-            f"| {r['scanned_peak'] / mib:.1f} | {r['unrolled_step_s']:.2f} "
-            f"| {r['scanned_step_s'] / r['unrolled_step_s']:.2f} |"
-        )
+        cells = [
+            str(r["depth"]),
+            f"`{r['policy']}`",
+            f"{r['unrolled_compile_s']:.1f}",
+            f"{r['scanned_compile_s']:.1f}",
+            f"{r['unrolled_temp'] / mib:.1f}",
+            f"{r['scanned_temp'] / mib:.1f}",
+            f"{r['scanned_temp'] / r['unrolled_temp']:.2f}",
+        ]
+        if target:
+            cells += [f"{r['unrolled_total'] / mib:.1f}", f"{r['scanned_total'] / mib:.1f}"]
+        else:
+            cells += [
+                f"{r['unrolled_peak'] / mib:.1f}",
+                f"{r['scanned_peak'] / mib:.1f}",
+                f"{r['unrolled_step_s']:.2f}",
+                f"{r['scanned_step_s'] / r['unrolled_step_s']:.2f}",
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -158,9 +222,12 @@ def main() -> None:
     parser.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
-        default="sgd",
-        help="sgd: each variable updated as its gradient exists; adamw: the trainer's clipping "
-        "by global norm, then AdamW",
+        default="adamw",
+        help="adamw: the trainer's clipping by global norm, then AdamW; sgd: each variable "
+        "updated as its gradient exists",
+    )
+    parser.add_argument(
+        "--target", help="a TPU chip (v5e, v4, ...): report its compiler's plan; nothing runs"
     )
     parser.add_argument("--out", help="also write the report (markdown) to this file")
     parser.add_argument("--quick", action="store_true", help="tiny model, depths 2 and 4")
@@ -170,8 +237,18 @@ def main() -> None:
     if args.steps < 1:
         parser.error("--steps must be at least 1")
     if args.child:
-        print(json.dumps(measure(args.child, args.policy, args.steps, args.quick, args.optimizer)))
+        result = measure(
+            args.child, args.policy, args.steps, args.quick, args.optimizer, args.target
+        )
+        print(json.dumps(result))
         return
+    if args.target:
+        from framework.memory import tpu
+
+        try:
+            tpu.tpu_chip(args.target)  # an unknown chip fails here, not in a child
+        except ValueError as error:
+            parser.error(str(error))
     default = (2, 4) if args.quick else DEPTHS
     depths = [int(d) for d in args.depths.split(",")] if args.depths else list(default)
     started = datetime.datetime.now()
@@ -179,10 +256,12 @@ def main() -> None:
     for policy in args.policies.split(","):
         remat.get_policy(policy)  # an unknown name fails here, not in a child
         for depth in depths:
-            results.append(run_child(depth, policy, args.steps, args.quick, args.optimizer))
+            results.append(
+                run_child(depth, policy, args.steps, args.quick, args.optimizer, args.target)
+            )
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     command = "python " + " ".join([os.path.relpath(__file__, REPO_DIR), *sys.argv[1:]])
-    report = format_report(results, command, started, args.quick, args.optimizer)
+    report = format_report(results, command, started, args.quick, args.optimizer, args.target)
     write_report(report, args.out)
 
 
