@@ -194,6 +194,18 @@ def test_scan_layers_quick(tmp_path):
         assert all(float(c) >= 0 for c in cells[2:]), row
 
 
+def test_scan_layers_planned_for_a_tpu_quick(tmp_path):
+    out = tmp_path / "scan_layers_tpu.md"
+    run_benchmark("scan_layers.py", "--quick", f"--out={out}", "--depths=2", "--target=v5e")
+    report = out.read_text()
+    assert "TPU v5e (libtpu" in report, report
+    rows = [line for line in report.splitlines() if line.startswith("| 2 ")]
+    assert len(rows) == 1, report
+    cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
+    # depth, policy, compile s (2), temps (2) and their ratio, totals (2): a plan, no step time.
+    assert len(cells) == 9 and all(float(c) > 0 for c in cells[2:]), rows[0]
+
+
 def test_faults_quick_kills_resumes_and_loses_nothing(tmp_path):
     """A SIGKILL while training: the restart takes over the lock and resumes, at most one
     checkpoint interval is lost, and every checkpoint left passes its checksum."""
