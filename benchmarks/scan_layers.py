@@ -15,8 +15,11 @@ With `--target=v5e` (any chip `framework.memory.tpu.tpu_chip` knows) it compiles
 that TPU with libtpu's compiler instead and reports its plan only: nothing runs, so there is no
 peak or step time, and compile time is the TPU compiler's on this host.
 
-The default update is the trainer's (gradients clipped by their global norm, then AdamW), which
-needs every gradient before the first update in both layouts. With `--optimizer=sgd` each
+The default step is the program the trainer compiles (`train_step.compiled_gradients`): the
+forward and backward pass with every gradient an output; the trainer sums, clips and applies
+them after it, outside the program. `--step=adamw` and `--step=sgd` measure a step a user may
+write instead, with the update inside the one program: `adamw` clips by the global norm, then
+applies AdamW (every gradient exists before the first update in both layouts); with `sgd` each
 unrolled layer is updated as soon as its gradients exist, while the scanned stack's gradient is
 one `[depth, ...]` buffer per block variable that exists whole before its update (as in JAX).
 
@@ -40,6 +43,7 @@ from remat_policies import REPO_DIR, child_json, machine, median_step_times, wri
 
 from framework import memory, models, remat
 from framework.models import transformer
+from framework.trainer import train_step as trainer_step
 
 DEPTHS = (12, 24, 48)
 
@@ -59,15 +63,23 @@ def build(depth: int, scan: bool, quick: bool):
     )
 
 
-OPTIMIZERS = ("sgd", "adamw")
+STEPS = {
+    "trainer": "the trainer's program: forward and backward, the gradients its outputs",
+    "adamw": "forward, backward, global-norm clipping and AdamW",
+    "sgd": "forward, backward and SGD",
+}
 
 
-def train_step(model, optimizer: str = "sgd", learning_rate: float = 1e-4):
-    """Forward, backward and an update, compiled by XLA: `sgd` updates each variable as soon as
-    its gradient exists; `adamw` is the trainer's update (gradients clipped by their global
-    norm, then AdamW), which needs every gradient before the first update."""
+def train_step(model, kind: str = "trainer", learning_rate: float = 1e-4):
+    """The step of `kind` (see `STEPS`) as one XLA program `fn(x, y)` whose first output is the
+    loss (sum): `trainer` is what the trainer compiles (`train_step.compiled_gradients`); `sgd`
+    updates each variable as soon as its gradient exists; `adamw` clips the gradients by their
+    global norm, then applies AdamW, which needs every gradient before the first update."""
+    if kind == "trainer":
+        program = trainer_step.compiled_gradients(model)
+        return tf.function(lambda x, y: program((x, y)), jit_compile=True)
     adamw = None
-    if optimizer == "adamw":
+    if kind == "adamw":
         adamw = keras.optimizers.AdamW(learning_rate)
         adamw.build(model.trainable_variables)
 
@@ -88,8 +100,13 @@ def train_step(model, optimizer: str = "sgd", learning_rate: float = 1e-4):
     return step
 
 
+def _loss(step):
+    """`step` as a function of (x, y) that returns its first output alone (for timing)."""
+    return lambda x, y: tf.nest.flatten(step(x, y))[0]
+
+
 def measure(
-    depth: int, policy: str, steps: int, quick: bool, optimizer: str, target: str | None = None
+    depth: int, policy: str, steps: int, quick: bool, step_kind: str, target: str | None = None
 ) -> dict:
     batch, size = (2, 32) if quick else (8, 224)
     result = {"depth": depth, "policy": policy}
@@ -100,7 +117,7 @@ def measure(
             model = build(depth, scan=name == "scanned", quick=quick)
             remat.set_grad_checkpointing(model, policy=policy)
             start = time.perf_counter()
-            plan = memory.compiled_bytes(train_step(model, optimizer), x, y, target=target)
+            plan = memory.compiled_bytes(train_step(model, step_kind), x, y, target=target)
             result[f"{name}_compile_s"] = time.perf_counter() - start
             result[f"{name}_temp"], result[f"{name}_total"] = plan.temp_bytes, plan.total_bytes
             result["compiler"] = plan.compiler
@@ -114,15 +131,15 @@ def measure(
     step_fns = {}
     for name, model in (("unrolled", unrolled), ("scanned", scanned)):
         remat.set_grad_checkpointing(model, policy=policy)
-        step = train_step(model, optimizer)
+        step = train_step(model, step_kind)
         start = time.perf_counter()
-        step(x, y).numpy()
+        _loss(step)(x, y).numpy()
         result[f"{name}_first_s"] = time.perf_counter() - start
         plan = memory.compiled_bytes(step, x, y)
         result[f"{name}_temp"], result[f"{name}_total"] = plan.temp_bytes, plan.total_bytes
-        result[f"{name}_peak"] = memory.peak_bytes(step, x, y).step_bytes
+        result[f"{name}_peak"] = memory.peak_bytes(_loss(step), x, y).step_bytes
         result["compiler"] = plan.compiler
-        step_fns[name] = step
+        step_fns[name] = _loss(step)
     times = median_step_times([step_fns["unrolled"], step_fns["scanned"]], x, y, steps)
     result["unrolled_step_s"], result["scanned_step_s"] = times
     for name in ("unrolled", "scanned"):
@@ -131,11 +148,11 @@ def measure(
 
 
 def run_child(
-    depth: int, policy: str, steps: int, quick: bool, optimizer: str, target: str | None
+    depth: int, policy: str, steps: int, quick: bool, step_kind: str, target: str | None
 ) -> dict:
     """Runs `measure` in a fresh Python process."""
     args = [f"--child={depth}", f"--policy={policy}", f"--steps={steps}"]
-    args += [f"--optimizer={optimizer}"] + ([f"--target={target}"] if target else [])
+    args += [f"--step={step_kind}"] + ([f"--target={target}"] if target else [])
     return child_json(
         __file__, args + (["--quick"] if quick else []), {"depth": depth, "policy": policy}
     )
@@ -146,17 +163,16 @@ def format_report(
     command: str,
     started: datetime.datetime,
     quick: bool,
-    optimizer: str,
+    step_kind: str,
     target: str | None,
 ) -> str:
     mib = 2.0**20
     model = "tiny ViT (width 32)" if quick else "ViT-S/16 (width 384, 6 heads, MLP 1536)"
-    update = "SGD" if optimizer == "sgd" else "global-norm clipping + AdamW"
     compiler = next((r["compiler"] for r in results if "compiler" in r), "XLA")
     if target:
         how = (
             f"Plans of {compiler}'s compiler on this host (nothing runs): compile s is the TPU "
-            "compiler's time here; temps and total (with weights and optimizer state) from its "
+            "compiler's time here; temps and total (parameters, outputs and temps) from its "
             "buffer assignment."
         )
         header = (
@@ -179,9 +195,9 @@ def format_report(
         f"Command: `{command}`",
         f"Date: {started:%Y-%m-%d %H:%M}, load average {os.getloadavg()[0]:.1f}",
         f"Machine: {machine()}",
-        f"Model: {model}, batch {2 if quick else 8}, dropout 0.1, {update} step under "
-        "`tf.function(jit_compile=True)`; remat policy as listed on every block / loop step; "
-        f"each depth in a fresh process. {how}",
+        f"Model: {model}, batch {2 if quick else 8}, dropout 0.1. Step `{step_kind}`: "
+        f"{STEPS[step_kind]}, under `tf.function(jit_compile=True)`; remat policy as listed on "
+        f"every block / loop step; each depth in a fresh process. {how}",
         "",
         header,
         "|" + "---|" * (header.count("|") - 1),
@@ -220,11 +236,10 @@ def main() -> None:
     parser.add_argument("--policies", default="nothing_saveable")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per layout")
     parser.add_argument(
-        "--optimizer",
-        choices=OPTIMIZERS,
-        default="adamw",
-        help="adamw: the trainer's clipping by global norm, then AdamW; sgd: each variable "
-        "updated as its gradient exists",
+        "--step",
+        choices=tuple(STEPS),
+        default="trainer",
+        help="; ".join(f"{name}: {what}" for name, what in STEPS.items()),
     )
     parser.add_argument(
         "--target", help="a TPU chip (v5e, v4, ...): report its compiler's plan; nothing runs"
@@ -237,9 +252,7 @@ def main() -> None:
     if args.steps < 1:
         parser.error("--steps must be at least 1")
     if args.child:
-        result = measure(
-            args.child, args.policy, args.steps, args.quick, args.optimizer, args.target
-        )
+        result = measure(args.child, args.policy, args.steps, args.quick, args.step, args.target)
         print(json.dumps(result))
         return
     if args.target:
@@ -256,12 +269,10 @@ def main() -> None:
     for policy in args.policies.split(","):
         remat.get_policy(policy)  # an unknown name fails here, not in a child
         for depth in depths:
-            results.append(
-                run_child(depth, policy, args.steps, args.quick, args.optimizer, args.target)
-            )
+            results.append(run_child(depth, policy, args.steps, args.quick, args.step, args.target))
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     command = "python " + " ".join([os.path.relpath(__file__, REPO_DIR), *sys.argv[1:]])
-    report = format_report(results, command, started, args.quick, args.optimizer, args.target)
+    report = format_report(results, command, started, args.quick, args.step, args.target)
     write_report(report, args.out)
 
 
