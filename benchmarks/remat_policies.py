@@ -248,6 +248,8 @@ def gradient_error(spec: ModelSpec, model: Any, x: Any, y: Any) -> tuple[float, 
                 raise
             continue
         want = run(reference)
+        # Dense: an embedding's gradient is IndexedSlices, which do not subtract.
+        got, want = ([tf.convert_to_tensor(g) for g in grads] for grads in (got, want))
         errors = [
             float(tf.norm(g - w) / (tf.norm(w) + 1e-30)) for g, w in zip(got, want, strict=True)
         ]

@@ -327,9 +327,10 @@ class MemoryBudget:
     PyTorch's `activation_memory_budget` for TensorFlow, per region. Without remat the backward
     pass holds the values its gradients read (a product's inputs, a softmax's output, ...: see
     `gradient_reads`); their bytes are the budget's whole. Of those values, of the dropout masks
-    (kept as bits, sparing the random draw) and of the products (read or not: a product's
-    output usually feeds a bias add or a reshape, which the gradient reads, and recomputing
-    those from a kept product is cheap), the ones whose recomputation costs the most
+    compared from a full-size draw (kept as bits, sparing the draw; see `_weighed` for masks
+    hashed from a few random words, which it never keeps) and of the products (read or not: a
+    product's output usually feeds a bias add or a reshape, which the gradient reads, and
+    recomputing those from a kept product is cheap), the ones whose recomputation costs the most
     FLOPs per byte kept (masks first, at a bit a value, then matrix products, then elementwise
     work) are kept in that order while their bytes stay within `fraction` of the whole; a value
     that does not fit is passed over for smaller ones after it. A value whose recomputation
@@ -368,7 +369,7 @@ class MemoryBudget:
         costs = [kept_bytes(op) for op in ops]
         budget = self.fraction * sum(cost for cost, r in zip(costs, read, strict=True) if r)
         ratios = [
-            recompute_flops(op) / max(cost, 1) if r or _worth_keeping_unread(op) else 0.0
+            recompute_flops(op) / max(cost, 1) if _weighed(op, r) else 0.0
             for op, cost, r in zip(ops, costs, read, strict=True)
         ]
         kept: dict[int, float] = {}
@@ -380,12 +381,19 @@ class MemoryBudget:
         return kept
 
 
-def _worth_keeping_unread(op: OpInfo) -> bool:
-    """Whether keeping `op`'s outputs pays although no gradient reads them: a dropout mask (its
-    redraw) or a product (the recomputation then skips it: the elementwise op after a matmul,
-    e.g. a bias add, is what the gradient reads, and recomputing it from the kept product costs
-    next to nothing, as `dots_saveable` does)."""
-    return random_masks_saveable(op) or _is_product(op)
+def _weighed(op: OpInfo, read: bool) -> bool:
+    """Whether the budget weighs keeping `op`'s outputs: a value the gradient reads; a product
+    even if none does (the recomputation then skips it: the elementwise op after a matmul, e.g.
+    a bias add, is what the gradient reads, and recomputing it from the kept product costs next
+    to nothing, as `dots_saveable` does); a dropout mask only if it is compared from a full-size
+    draw. A mask hashed from a few random words (`framework.models.Dropout`, whose redraw is a
+    few dozen integer operations per value) is never kept: XLA fuses that redraw into every
+    consumer, so a compiled step without remat holds no such mask, and keeping one costs its
+    bits (a byte per value in libtpu's plans, which store masks as `pred`) and, measured on
+    XLA:CPU with ViT-B/16, more step time than the redraw it spares."""
+    if random_masks_saveable(op):
+        return op.random_flops >= RANDOM_FLOPS_PER_VALUE
+    return read or _is_product(op)
 
 
 def memory_budget(fraction: float) -> MemoryBudget:

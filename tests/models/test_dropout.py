@@ -190,6 +190,19 @@ def test_random_masks_saveable_keeps_the_masks_as_bits():
     assert [r.dtype for r in rows if r.dtype in ("bool", "uint32")] == ["bool", "bool"]
 
 
+@pytest.mark.parametrize("dropout, masks", [(Dropout, 0), (keras.layers.Dropout, 2)])
+def test_the_budget_keeps_only_masks_drawn_at_full_size(dropout, masks):
+    """A whole budget keeps what the backward pass reads, but not a hashed mask: XLA fuses its
+    redraw into every consumer, so keeping it would add memory and time; a mask compared from
+    a full-size draw is kept, as bits."""
+    block = _model(depth=1, dropout=dropout).layers[0]
+    remat.checkpoint(block, "budget:1")
+    x = tf.random.stateless_normal([64, 16], seed=[5, 6])
+    rows = remat.saved_residuals(lambda x: tf.reduce_sum(block(x, training=True) ** 2), x)
+    assert any(r.dtype == "float32" for r in rows), rows  # the budget keeps something
+    assert sum(r.dtype in ("bool", "uint32") for r in rows) == masks, rows
+
+
 def test_xla_stores_no_mask_without_remat():
     """XLA:CPU's plan of a step without remat: Keras' dropout keeps each mask until the backward
     pass, this one is recomputed where it is read."""
