@@ -185,7 +185,7 @@ def test_scan_layers_quick(tmp_path):
     run_benchmark("scan_layers.py", "--quick", f"--out={out}", "--steps=1", "--depths=2")
     report = out.read_text()
     assert report.startswith("Command: `python benchmarks/scan_layers.py --quick")
-    assert "global-norm clipping + AdamW" in report
+    assert "Step `trainer`" in report
     rows = [line for line in report.splitlines() if line.startswith("| 2 ")]
     assert len(rows) == 1, report
     for row in rows:
