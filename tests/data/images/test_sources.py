@@ -9,24 +9,22 @@ example by example.
 from __future__ import annotations
 
 import functools
-import logging
 import re
 import sys
 from contextlib import nullcontext
 
-import gin
 import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from framework import cli, train
 from framework.core.errors import MissingDependency
 from framework.data import sharding, streams
 from framework.data.images import augment, pipeline
 from framework.data.images import tfds as tfds_source
 from framework.data.images import tfrecord as tfrecord_source
-from tests.data.test_images import write_folder
+from tests.binaries.in_process import TWO_STEPS, train_binary
+from tests.data.images.folders import write_folder
 
 SIZE = 8  # the images the pipelines make
 TRAIN, EVAL = 20, 7  # examples written
@@ -419,26 +417,6 @@ TINY_VIT = [
     f"--gin.models.VisionTransformer.{name}={value}"
     for name, value in dict(image_size=SIZE, depth=1, dim=8, num_heads=2, mlp_dim=8).items()
 ]
-TINY_RUN = [
-    "--gin.Trainer.train_steps=2",
-    "--gin.Trainer.steps_per_loop=2",
-    "--gin.Trainer.global_batch_size=4",
-    "--gin.Trainer.count_flops=False",
-    "--mode=train_and_eval",
-]
-
-
-def train_binary(flags, model_dir, caplog) -> str:
-    """The log of `python -m framework.train` with `flags`, run in this process."""
-    gin.clear_config()
-    try:
-        train.FLAGS(cli.rewrite_gin_shorthand(["train", *flags, f"--model_dir={model_dir}"]))
-        with caplog.at_level(logging.INFO):
-            assert train.main(["train"]) == 0
-    finally:
-        train.FLAGS.unparse_flags()
-        gin.clear_config()
-    return caplog.text
 
 
 @pytest.mark.slow
@@ -469,5 +447,5 @@ def test_each_source_trains_through_the_binary(records, folders, tmp_path, caplo
         caplog.clear()
         mock = tfds.testing.mock_data(num_examples=10) if name == "cifar10" else nullcontext()
         with mock:
-            log = train_binary([*flags, *TINY_VIT, *TINY_RUN], tmp_path / name, caplog)
+            log = train_binary([*flags, *TINY_VIT, *TWO_STEPS], tmp_path / name, caplog)
         assert "step 2/2" in log and f"on {examples[name]} targets" in log, (name, log[-2000:])

@@ -21,7 +21,7 @@ import tensorflow_datasets as tfds
 from framework import sample, train
 from framework.data import text
 from framework.data.text import json_lines, tfds_text, token_records, vocab
-from tests.data.test_image_sources import train_binary
+from tests.binaries.in_process import TWO_STEPS, train_binary
 
 # Characters that stress the decoding: escapes, quotes, brackets, non-BMP, lone surrogates.
 PIECES = [
@@ -399,15 +399,7 @@ TINY_DECODER = [
         vocab_size=200, max_length=16, depth=1, dim=16, num_heads=2, mlp_dim=16
     ).items()
 ]
-TINY_LM_RUN = [
-    "--gin_file=lm_quickstart.gin",
-    "--gin.Trainer.train_steps=2",
-    "--gin.Trainer.steps_per_loop=2",
-    "--gin.Trainer.global_batch_size=4",
-    "--gin.Trainer.count_flops=False",
-    "--mode=train_and_eval",
-    *TINY_DECODER,
-]
+TINY_LM_RUN = ["--gin_file=lm_quickstart.gin", *TWO_STEPS, *TINY_DECODER]
 
 
 @pytest.mark.slow
