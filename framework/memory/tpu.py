@@ -121,9 +121,11 @@ def lower_random_for_tpu(hlo_module: bytes) -> bytes:
     for inst in by_id.values():
         for operand in inst.operand_ids:
             readers[operand].append(inst)
-    next_id = max(by_id, default=0) + 1
     for comp in module.computations:
         instructions = []
+        # A new instruction's id: past the computation's own, since XLA's protos number each
+        # computation's instructions within it (its id in the upper 32 bits), and unused.
+        next_id = max((inst.id for inst in comp.instructions), default=0) + 1
         for inst in comp.instructions:
             if (
                 inst.opcode == "rng-bit-generator"
@@ -131,10 +133,11 @@ def lower_random_for_tpu(hlo_module: bytes) -> bytes:
                 and _auto_selected(inst, by_id)
             ):
                 state = inst.operand_ids[0]
+                while next_id in by_id:
+                    next_id += 1
                 cut = hlo_pb2.HloInstructionProto(
                     name=f"{inst.name}.tpu_state", opcode="slice", id=next_id, operand_ids=[state]
                 )
-                next_id += 1
                 cut.shape.CopyFrom(by_id[state].shape)
                 cut.shape.dimensions[:] = [_TPU_RNG_STATE_WORDS]
                 cut.slice_dimensions.add(start=0, limit=_TPU_RNG_STATE_WORDS, stride=1)

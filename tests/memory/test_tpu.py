@@ -161,6 +161,28 @@ def test_an_explicit_philox_generator_stays_philox():
     assert algorithms(tpu.lower_random_for_tpu(hlo)) == ["RNG_DEFAULT"] + ["RNG_PHILOX"] * 2
 
 
+def test_dropout_in_a_loop_body_is_lowered_for_the_tpu():
+    """Random draws inside a `tf.while_loop` (a scanned stack's dropout): the re-lowered
+    generators' new instructions are numbered within their loop body's computation."""
+    w = tf.Variable(tf.ones([4, WIDTH, WIDTH]) / WIDTH)
+
+    @tf.function(jit_compile=True)
+    def step(x):
+        def body(i, h):
+            h = tf.nn.experimental.stateless_dropout(h @ tf.gather(w, i), 0.1, [1, i])
+            return i + 1, h
+
+        with tf.GradientTape() as tape:
+            _, h = tf.while_loop(lambda i, _: i < 4, body, (0, x), maximum_iterations=4)
+            loss = tf.reduce_sum(h)
+        w.assign_sub(tape.gradient(loss, w))
+        return loss
+
+    plan = memory.compiled_bytes(step, tf.TensorSpec([256, WIDTH]), target="v5e")
+    assert plan.compiler.startswith("TPU v5e") and plan.parameter_bytes > 0
+    assert _padded_random_buffers(plan) == []
+
+
 @pytest.mark.tf_compat
 @pytest.mark.parametrize("rng_alg, padded", [(None, False), ("philox", True)])
 def test_philox_dropout_masks_are_padded_on_tpu(rng_alg, padded):
