@@ -171,7 +171,7 @@ def format_report(
     compiler = next((r["compiler"] for r in results if "compiler" in r), "XLA")
     if target:
         how = (
-            f"Plans of {compiler}'s compiler on this host (nothing runs): compile s is the TPU "
+            f"Plans for {compiler}, compiled on this host (nothing runs): compile s is the TPU "
             "compiler's time here; temps and total (parameters, outputs and temps) from its "
             "buffer assignment."
         )
