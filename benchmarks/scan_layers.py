@@ -120,6 +120,7 @@ def measure(
             plan = memory.compiled_bytes(train_step(model, step_kind), x, y, target=target)
             result[f"{name}_compile_s"] = time.perf_counter() - start
             result[f"{name}_temp"], result[f"{name}_total"] = plan.temp_bytes, plan.total_bytes
+            result[f"{name}_code"] = plan.generated_code_bytes
             result["compiler"] = plan.compiler
         return result
     tf.function(lambda: tf.constant(1.0) + 1.0, jit_compile=True)()  # pay XLA's set-up once
@@ -178,7 +179,7 @@ def format_report(
         header = (
             "| depth | policy | compile s unrolled | compile s scanned | temp MiB unrolled "
             "| temp MiB scanned | temp scanned / unrolled | total MiB unrolled "
-            "| total MiB scanned |"
+            "| total MiB scanned | code MiB unrolled | code MiB scanned |"
         )
     else:
         how = (
@@ -217,7 +218,11 @@ def format_report(
             f"{r['scanned_temp'] / r['unrolled_temp']:.2f}" if r["unrolled_temp"] else "-",
         ]
         if target:
-            cells += [f"{r['unrolled_total'] / mib:.1f}", f"{r['scanned_total'] / mib:.1f}"]
+            cells += [
+                f"{r[f'{name}_{what}'] / mib:.1f}"
+                for what in ("total", "code")
+                for name in ("unrolled", "scanned")
+            ]
         else:
             cells += [
                 f"{r['unrolled_peak'] / mib:.1f}",

@@ -122,6 +122,15 @@ def device_memory_bytes(device_type: str) -> int | None:
     return None
 
 
+def optimization_barrier(tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+    """`tensors`, unchanged, behind XLA's optimization barrier: the compiler may not move an op
+    that reads them to before it, nor merge it with one on the other side. TensorFlow exports
+    no wrapper for the op (`XlaOptimizationBarrier`), and registers no gradient for it."""
+    from tensorflow.compiler.tf2xla.python import xla
+
+    return list(xla.optimization_barrier(*tensors)) if tensors else []
+
+
 def autograph_like_caller(function: Callable) -> Callable:
     """`function`, converted by AutoGraph if the code calling us is (as inside a `tf.function`).
 

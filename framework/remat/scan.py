@@ -16,8 +16,14 @@ the accumulator) beyond what the unrolled loop holds. Here, as in JAX's transpos
   per-step constants are summed over the steps.
 
 Each step reads its slices with `tf.gather` from the stacked tensors, which the loop only passes
-through, so nothing copies them. The steps' random ops draw from seeds passed in `xs` (e.g. the
-dropout seed states of stacked Keras layers), so the recomputation draws the forward pass's bits.
+through, so nothing copies them. A float32 slice is read as its bits, behind an optimization
+barrier: a TPU multiplies float32 in bfloat16, and its compiler's bfloat16 propagation would
+otherwise find that every reader of a stacked weight wants bfloat16 and convert the whole stack
+once, before the loops - a second copy of every stacked weight, live for the whole step (at
+depth 48, 1.15 times the unrolled step's temporaries in TPU v5e's plan). Integers cannot be
+narrowed, and the barrier keeps the bits from being folded back into floats before that pass.
+The steps' random ops draw from seeds passed in `xs` (e.g. the dropout seed states of stacked
+Keras layers), so the recomputation draws the forward pass's bits.
 """
 
 from __future__ import annotations
@@ -86,7 +92,7 @@ def scan(
         stacked, whole = inputs[:n_x], inputs[n_x:]
 
         def body(i, h, carries, ys, kept):
-            out = forward_fn(h, *[tf.gather(x, i) for x in stacked], *whole)
+            out = forward_fn(h, *_slices(stacked, i), *whole)
             ys = [a.write(i, v) for a, v in zip(ys, out[1 : 1 + len(ys)])]
             kept = [a.write(i, v) for a, v in zip(kept, out[1 + len(ys) :])]
             return i + 1, out[0], carries.write(i, h), ys, kept
@@ -196,7 +202,7 @@ def _backward(step, region, carries, stacked, whole, kept, d_h, d_ys, length, n_
         out = backward_fn(
             tf.gather(carries, j),
             d,
-            *[tf.gather(x, j) for x in stacked],
+            *_slices(stacked, j),
             *whole,
             *[tf.gather(k, j) for k in kept],
             *[tf.gather(d_ys[u], j) for u in upstream],
@@ -226,6 +232,17 @@ def _backward(step, region, carries, stacked, whole, kept, d_h, d_ys, length, n_
     results += [next(flat) if _differentiable(t) else None for t in stacked]
     results += [next(flat) if _differentiable(t) else None for t in whole]
     return results
+
+
+def _slices(stacked: Sequence[tf.Tensor], i: tf.Tensor) -> list[tf.Tensor]:
+    """Slice i of each stacked input; float32 ones pass the barrier as int32 bits, so that the
+    stacks stay float32 and each step converts only its own slice (see the module docstring)."""
+    slices = [tf.gather(x, i) for x in stacked]
+    wide = [k for k, t in enumerate(slices) if t.dtype == tf.float32]
+    bits = tf_internals.optimization_barrier([tf.bitcast(slices[k], tf.int32) for k in wide])
+    for k, b in zip(wide, bits):
+        slices[k] = tf.bitcast(b, tf.float32)
+    return slices
 
 
 def _step_specs(carry: tf.Tensor, xs: list, consts: list) -> list[tf.TensorSpec]:

@@ -202,11 +202,12 @@ def test_scan_layers_planned_for_a_tpu_quick(tmp_path):
     rows = [line for line in report.splitlines() if line.startswith("| 2 ")]
     assert len(rows) == 1, report
     cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
-    # depth, policy, compile s (2), temps (2) and their ratio, totals (2): a plan, no step time.
-    # The tiny model's temporaries fit in the chip's on-chip memory, so its HBM temps may be 0.
-    assert len(cells) == 9, rows[0]
-    compile_s, temps, totals = cells[2:4], cells[4:6], cells[7:9]
-    assert all(float(c) > 0 for c in compile_s + totals), rows[0]
+    # depth, policy, compile s (2), temps (2) and their ratio, totals (2), code (2): a plan, no
+    # step time. The tiny model's temporaries fit in the chip's on-chip memory, so its HBM
+    # temps may be 0.
+    assert len(cells) == 11, rows[0]
+    compile_s, temps, totals_and_code = cells[2:4], cells[4:6], cells[7:11]
+    assert all(float(c) > 0 for c in compile_s + totals_and_code), rows[0]
     assert all(float(c) >= 0 for c in temps), rows[0]
 
 

@@ -119,6 +119,18 @@ def test_tape_autograph_captures_and_jit_compile():
 
 
 @pytest.mark.tf_compat
+def test_optimization_barrier_passes_values_through_in_eager_graph_and_xla():
+    x, bits = tf.constant([1.5, -2.0]), tf.constant([7, 8])
+    barrier = tf_internals.optimization_barrier
+    for run in (barrier, tf.function(barrier), tf.function(barrier, jit_compile=True)):
+        a, b = run([x, bits])
+        assert a.numpy().tolist() == [1.5, -2.0] and b.numpy().tolist() == [7, 8]
+    program = tf.function(barrier, jit_compile=True).experimental_get_compiler_ir([x, bits])()
+    assert "opt-barrier" in program
+    assert barrier([]) == []
+
+
+@pytest.mark.tf_compat
 def test_xla_protos_read_the_compiled_program_and_its_buffer_assignment():
     fn = tf.function(lambda x: tf.matmul(x, x), jit_compile=True)
     x = tf.ones([4, 4])

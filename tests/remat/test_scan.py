@@ -9,6 +9,9 @@ import pytest
 import tensorflow as tf
 
 from framework import memory, remat
+from framework.core import jax_internals
+from framework.core.tf_internals import hlo_pb2, xla_data_pb2
+from framework.memory import tpu
 from framework.models import language, scan, transformer, vit
 from framework.runtime import flops
 
@@ -211,3 +214,42 @@ def test_scanned_decoder_lm_matches_unrolled():
         "segment_ids": tf.constant([[1, 1, 1, 2, 2, 2]]),
     }
     np.testing.assert_allclose(scanned(inputs), unrolled(inputs), rtol=1e-5, atol=1e-6)
+
+
+def test_a_tpu_converts_one_layers_weights_per_step_not_the_whole_stack():
+    """A TPU multiplies float32 in bfloat16. Its compiler's bfloat16 propagation would convert
+    each whole stacked weight once, before the loops, and hold that second copy for the whole
+    step; the loop reads each slice as bits, so only one layer at a time is converted. Read from
+    libtpu's optimised program for TPU v5e: no bfloat16 value of the stack's shape anywhere."""
+    depth, width = 16, 768
+
+    def block(h, ws, consts):
+        return tf.tanh(tf.matmul(h, ws[0])), []
+
+    @tf.function(jit_compile=True)
+    def gradients(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch(w)
+            h, _ = remat.scan(block, x, [w], policy="nothing_saveable")
+            loss = tf.reduce_sum(h * h)
+        return tape.gradient(loss, w)
+
+    specs = tf.TensorSpec([256, width]), tf.TensorSpec([depth, width, width])
+    hlo = gradients.experimental_get_compiler_ir(*specs)(stage="hlo_serialized")
+    chip = tpu.tpu_chip("v5e")
+    device = jax_internals.tpu_device(chip.topology, chip.chip_config)
+    compiled = jax_internals.compile_for_tpu(tpu.lower_random_for_tpu(hlo), device)
+
+    def shapes(shape):
+        yield shape
+        for inner in shape.tuple_shapes:
+            yield from shapes(inner)
+
+    stacked_bf16 = [
+        instruction.name
+        for computation in hlo_pb2.HloProto.FromString(compiled.hlo_proto).hlo_module.computations
+        for instruction in computation.instructions
+        for shape in shapes(instruction.shape)
+        if shape.element_type == xla_data_pb2.BF16 and list(shape.dimensions)[:1] == [depth]
+    ]
+    assert not stacked_bf16, stacked_bf16
