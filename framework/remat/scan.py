@@ -58,8 +58,10 @@ def scan(
       xs: tensors with a leading axis of the loop's length (static); step i reads slice i.
         Floating-point ones are differentiated.
       consts: tensors every step reads whole (floating-point ones are differentiated).
-      policy: what each step keeps for the backward pass (`remat.get_policy`; None keeps
-        everything, the loop's memory without remat).
+      policy: what each step keeps for the backward pass (`remat.get_policy`). None is
+        TensorFlow's own loop gradient, which keeps one copy per step of every value the step's
+        gradient reads, elementwise ones included; `dots_saveable` recomputes no matmul either
+        and keeps less.
       label: the region's name in errors and in `saved_residuals`.
 
     Returns:
