@@ -48,7 +48,15 @@ def load_state() -> dict:
 
 
 def save_state(state: dict) -> None:
-    (sandbox() / "state.json").write_text(json.dumps(state, indent=1))
+    write_atomically(sandbox() / "state.json", json.dumps(state, indent=1))
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """A background fake trainer reads the state while a gcloud call writes it: a reader sees
+    the old file or the new one, never one truncated in between."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def worker_home(index: int) -> Path:

@@ -67,7 +67,7 @@ class Cloud:
         return result
 
     def write_state(self, state: dict) -> None:
-        (self.dir / "state.json").write_text(json.dumps(state))
+        fake_gcloud.write_atomically(self.dir / "state.json", json.dumps(state))
 
     def update(self, **changes) -> None:
         self.write_state({**json.loads((self.dir / "state.json").read_text()), **changes})
