@@ -86,19 +86,19 @@ def _imports(module: str, top_level_only: bool = False) -> set[str]:
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_each_module_imports_only_its_layer_and_those_below(module):
-    part = _part(module)
+    part, imports = _part(module), _imports(module)
     if part == "framework":  # the package's __init__: importing `framework` loads no part
-        assert not _imports(module), _imports(module)
+        assert not imports, imports
         return
     assert part in LAYER, f"{module}: its part {part!r} is not in docs/architecture.md's layers"
     above = sorted(
         target
-        for target in _imports(module) - {"gin"}
+        for target in imports - {"gin"}
         if _part(target) != "framework" and LAYER[_part(target)] > LAYER[part]
     )
     assert not above, f"{module} imports a layer above its own: {above}"
     if part in WITHOUT_GIN:
-        assert "gin" not in _imports(module), f"{module} is library code and imports gin"
+        assert "gin" not in imports, f"{module} is library code and imports gin"
 
 
 def test_actions_and_settings_do_not_import_the_trainer():

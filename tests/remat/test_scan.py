@@ -253,3 +253,93 @@ def test_a_tpu_converts_one_layers_weights_per_step_not_the_whole_stack():
         if shape.element_type == xla_data_pb2.BF16 and list(shape.dimensions)[:1] == [depth]
     ]
     assert not stacked_bf16, stacked_bf16
+
+
+def _hub_encoder_pair():
+    """keras-hub's TransformerEncoder (dropout on), as 3 unrolled blocks and as ScannedBlocks
+    with the same weights and seeds, in functional models with one head."""
+    import keras_hub
+
+    def make(name):
+        return keras_hub.layers.TransformerEncoder(
+            intermediate_dim=64, num_heads=4, dropout=0.1, name=name
+        )
+
+    def build(scanned: bool):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8, 32))
+        blocks = scan.ScannedBlocks(make, 3) if scanned else [make(f"b{i}") for i in range(3)]
+        h = blocks(inputs) if scanned else inputs
+        for block in [] if scanned else blocks:
+            h = block(h)
+        h = keras.layers.Dense(3, name="head")(keras.layers.GlobalAveragePooling1D()(h))
+        return keras.Model(inputs, h), blocks
+
+    (unrolled, blocks), (scanned, stack) = build(False), build(True)
+    scan.stack_weights(blocks, stack)
+    scanned.get_layer("head").set_weights(unrolled.get_layer("head").get_weights())
+    return unrolled, blocks, scanned, stack
+
+
+@pytest.mark.slow
+def test_a_keras_hub_block_scanned_with_remat_matches_unrolled_in_every_mode_and_fit():
+    """A block no one here wrote: each step rebuilt in the backward pass (the template is called
+    while the gradient is taken), gradients equal to the unrolled blocks' with dropout on in
+    eager, graph and XLA, and `model.fit(jit_compile=True)` ends on the same weights."""
+    unrolled, blocks, scanned, stack = _hub_encoder_pair()
+    assert remat.set_grad_checkpointing(scanned, policy="nothing_saveable") == [stack]
+    in_gradient, rebuilt = [False], []
+    call = stack.template.call
+
+    def counted(*args, **kwargs):
+        rebuilt.append(in_gradient[0])
+        return call(*args, **kwargs)
+
+    stack.template.call = counted
+    x = tf.random.stateless_normal((4, 8, 32), seed=[1, 2])
+    y = tf.constant([0, 1, 2, 1])
+    saved = [[v.numpy() for v in m.variables] for m in (unrolled, scanned)]
+
+    def restore():
+        for model, values in zip((unrolled, scanned), saved):
+            for variable, value in zip(model.variables, values):
+                variable.assign(value)
+
+    def gradients(model):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss = tf.reduce_mean(
+                keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+            )
+        in_gradient[0] = True
+        grads = tape.gradient(loss, model.trainable_variables)
+        in_gradient[0] = False
+        return loss, grads
+
+    trainable, _ = stack._ordered()
+    for mode in ("eager", "graph", "xla"):
+        restore()
+        rebuilt.clear()
+        run = gradients if mode == "eager" else tf.function(gradients, jit_compile=mode == "xla")
+        loss_u, grads_u = run(unrolled)
+        run = gradients if mode == "eager" else tf.function(gradients, jit_compile=mode == "xla")
+        loss_s, grads_s = run(scanned)
+        assert rebuilt.count(True) == 1, (mode, rebuilt)  # the step, rebuilt once for all layers
+        np.testing.assert_allclose(loss_s, loss_u, rtol=1e-6)
+        by_variable = {id(v): g for v, g in zip(unrolled.trainable_variables, grads_u)}
+        by_variable.update({id(v): g for v, g in zip(scanned.trainable_variables, grads_s)})
+        for k, stacked in enumerate(trainable):
+            for i, block in enumerate(blocks):
+                want = by_variable[id(block.trainable_variables[k])]
+                np.testing.assert_allclose(by_variable[id(stacked)][i], want, atol=1e-6)
+    restore()
+    for model in (unrolled, scanned):
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=True,
+        )
+        model.fit(x, y, epochs=2, batch_size=4, verbose=0, shuffle=False)
+    for k, stacked in enumerate(trainable):
+        for i, block in enumerate(blocks):
+            np.testing.assert_allclose(stacked[i], block.trainable_variables[k], atol=1e-6)
