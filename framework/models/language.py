@@ -24,7 +24,13 @@ from framework.models.transformer import (
     build_blocks,
 )
 
-_INIT = keras.initializers.RandomNormal(stddev=0.02)
+
+def _init() -> keras.initializers.Initializer:
+    """BERT's and GPT-2's initializer, a new one per weight: Keras gives each its seed when it
+    is made, from the global seed set by then (one made at import would draw its seed before
+    the run's `set_random_seed`, differently in each process, and give two weights the same
+    values)."""
+    return keras.initializers.RandomNormal(stddev=0.02)
 
 
 def attention_mask(segment_ids, causal: bool):
@@ -60,10 +66,10 @@ class _TextTransformer(keras.Model):
         self.max_length = max_length
         self.dim = dim
         self.token_embedding = keras.layers.Embedding(
-            vocab_size, dim, embeddings_initializer=_INIT, name="token_embedding"
+            vocab_size, dim, embeddings_initializer=_init(), name="token_embedding"
         )
         self.position_embedding = keras.layers.Embedding(
-            max_length, dim, embeddings_initializer=_INIT, name="position_embedding"
+            max_length, dim, embeddings_initializer=_init(), name="position_embedding"
         )
         self.embed_dropout = Dropout(dropout)
         add_blocks(self, depth, num_heads, mlp_dim, dropout, scan=scan_layers)
@@ -131,7 +137,7 @@ class BertEncoder(_TextTransformer):
             epsilon=1e-6, dtype="float32", name="embed_norm"
         )
         self.head_dense = keras.layers.Dense(
-            self.dim, activation="gelu", kernel_initializer=_INIT, name="head_dense"
+            self.dim, activation="gelu", kernel_initializer=_init(), name="head_dense"
         )
         self.head_norm = keras.layers.LayerNormalization(
             epsilon=1e-6, dtype="float32", name="head_norm"

@@ -44,6 +44,21 @@ def test_parameter_count_formula_matches_the_built_model(kind):
         assert BUILDERS[kind](**config).count_params() == COUNTS[kind](**config)
 
 
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_each_weight_draws_its_own_initial_values_from_the_runs_seed(kind):
+    """Each initializer takes its seed when the model is built, after the run sets its seed: the
+    same seed gives the same model in every process, and no two weights start alike (the token
+    table's first rows once equalled the position table)."""
+    keras.utils.set_random_seed(7)
+    model = BUILDERS[kind](**TINY)
+    tokens, positions = model.token_embedding.embeddings, model.position_embedding.embeddings
+    assert not np.allclose(tokens[: TINY["max_length"]], positions)
+    keras.utils.set_random_seed(7)
+    again = BUILDERS[kind](**TINY)
+    for a, b in zip(model.weights, again.weights, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
 def test_bert_base_has_110m_parameters():
     model = language.bert_base()
     assert model.count_params() == language.bert_parameter_count(**language.BERT_BASE)
