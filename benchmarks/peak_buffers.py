@@ -76,8 +76,8 @@ def main() -> None:
     trainer = Trainer(None, remat_policy=None, count_flops=False)
     if policy is not remat.policies.everything_saveable:
         remat.set_grad_checkpointing(trainer.model, policy=policy)
-    fn, batch = trainer.compiled_step(args.batch_size)
-    plan = memory.compiled_bytes(fn, batch, target=args.target)
+    fn, step_args = trainer.compiled_step(args.batch_size)
+    plan = memory.compiled_bytes(fn, *step_args, target=args.target)
 
     weight_shapes = collections.Counter(
         tuple(int(d) for d in v.shape) for v in trainer.model.trainable_variables
@@ -87,7 +87,7 @@ def main() -> None:
         entry = sums[group(buffer, weight_shapes)]
         entry[0] += 1
         entry[1] += buffer.size_bytes
-    state = measurement.state_bytes(trainer.optimizer)
+    state = measurement.state_bytes(trainer.optimizer.variables)
     by_kind = collections.Counter()
     for (kind, _), (_, size) in sums.items():
         by_kind[kind] += size

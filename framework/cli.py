@@ -159,6 +159,13 @@ def define_budget_flags(memory_budget_help: str) -> None:
         "Also search the largest memory-budget policy fraction that fits (budget:F, in steps "
         "of 0.02) on XLA's plan, one probe per compile worker at a time.",
     )
+    flags.DEFINE_list(
+        "shard_states",
+        None,
+        "Levels of Trainer.shard_state to plan every setting at (none, optimizer, gradients, "
+        "weights), the lowest first: equally fast ones are decided in this order. Default: the "
+        "config's own.",
+    )
     flags.DEFINE_integer(
         "compile_processes",
         0,
@@ -391,6 +398,22 @@ def memory_budget_flag() -> int | None:
     if budget == 0:
         raise UsageError("--memory_budget must be more than 0 bytes")
     return budget
+
+
+def shard_states_flag() -> list[str]:
+    """--shard_states, checked against the shard levels; the config's own `Trainer.shard_state`
+    without it (call after the gin files are parsed)."""
+    from framework.shard import LEVELS
+
+    if not FLAGS.shard_states:
+        return [bound_value("Trainer.shard_state") or "none"]
+    names = [name.strip() for name in FLAGS.shard_states if name.strip()]
+    unknown = [name for name in names if name not in LEVELS]
+    if unknown or not names:
+        raise UsageError(
+            f"--shard_states: {', '.join(unknown) or 'empty'}; choose from {', '.join(LEVELS)}"
+        )
+    return names
 
 
 def policies_flag() -> list[str]:

@@ -14,7 +14,7 @@ the run N steps, without a model directory, and says whether and where they diff
 (`framework.trainer.determinism`).
 
 `Trainer.remat_policy = "auto"` with `--memory_budget` runs the planner (`framework.planner`) first,
-over `--policies` at the config's batch size, and trains with its pick. The binary resolves "auto":
+over `--policies` (and `--shard_states`) at the config's batch size, and trains with its pick. The binary resolves "auto":
 the Trainer and the remat library only ever see a real policy.
 """
 
@@ -145,8 +145,9 @@ def out_of_resources(error: Exception, model_dir: str) -> str | None:
 def resolve_auto_policy(
     settings_class: type, files: Sequence[str], bindings: Sequence[str], model_dir: str
 ):
-    """Replaces `Trainer.remat_policy = "auto"` by the planner's pick for --memory_budget and
-    returns the action that puts the run's measured peak beside the budget (None without auto).
+    """Replaces `Trainer.remat_policy = "auto"` by the planner's pick for --memory_budget (and
+    `Trainer.shard_state` by its level, among --shard_states) and returns the action that puts
+    the run's measured peak beside the budget (None without auto).
     With `Runtime.accelerator_type` bound, the plan is the TPU compiler's for that chip and the
     budget defaults to its HBM.
 
@@ -196,6 +197,7 @@ def resolve_auto_policy(
             search_budget=FLAGS.search_budget,
             compile_processes=FLAGS.compile_processes,
             target=target,
+            shard_states=cli.shard_states_flag(),
         )
     except planner.ConfigError as error:
         raise UsageError(str(error)) from None
@@ -206,6 +208,7 @@ def resolve_auto_policy(
     logging.info("remat policy auto: %s", planner.verdict(plan))
     with gin.unlock_config():
         gin.bind_parameter(name, plan.pick.policy)
+        gin.bind_parameter(cli.binding_name(settings_class, "shard_state"), plan.pick.shard_state)
     planned = f"{plan.pick.label}, {plan.pick.fit_kind} {plan.pick.fit_bytes / 2**20:.0f} MiB"
     return actions.WatchMemoryBudget(budget, planned)
 

@@ -20,7 +20,7 @@ PACKAGE = REPO_DIR / "framework"
 # gin edge the trainer and the planner stand on; the binaries are the package's top-level modules.
 LAYERS = (
     ("core",),
-    ("remat", "memory", "models", "data"),
+    ("remat", "memory", "models", "data", "shard"),
     ("runtime",),
     ("rundir",),
     ("trainer", "cli", "configurables"),
@@ -28,7 +28,7 @@ LAYERS = (
     ("train", "sample", "export", "plan", "trained_model", "planner.__main__"),
 )
 LAYER = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
-WITHOUT_GIN = ("core", "remat", "memory", "models", "data")
+WITHOUT_GIN = ("core", "remat", "memory", "models", "data", "shard")
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -6,9 +6,12 @@ compare a run of the binary with one built in the test.
 """
 
 import functools
+import os
 
+from framework.data import text
 from framework.data.images import synthetic
 from framework.models import VisionTransformer
+from framework.models.language import DecoderLM
 
 MODEL = dict(image_size=8, patch_size=4, num_classes=4, dim=16, depth=2, num_heads=2, mlp_dim=32)
 DATA = dict(image_size=8, num_classes=4, eval_examples=64)
@@ -28,3 +31,37 @@ GIN_FLAGS = [
     *(f"--gin.data.shapes.{name}={value}" for name, value in DATA.items()),
     *(f"--gin.models.VisionTransformer.{name}={value}" for name, value in MODEL.items()),
 ]
+
+
+def vit_with_dropout(**overrides) -> dict:
+    """The tiny ViT with dropout 0.1 (`overrides` for the model): a Trainer's model and data."""
+    model = functools.partial(VisionTransformer, **MODEL, dropout=0.1, **overrides)
+    return dict(model_fn=model, dataset_fn=dataset_fn)
+
+
+def decoder_with_dropout(work_dir: str, lines: int = 60) -> dict:
+    """A tiny decoder LM with dropout 0.1 on `lines` lines of generated text written into
+    `work_dir` (with the vocabulary learned from them): a Trainer's model and data."""
+    corpus_file = os.path.join(work_dir, "corpus.txt")
+    with open(corpus_file, "w") as f:
+        f.write("\n".join(f"the quick brown fox jumps over the dog {i % 7}" for i in range(lines)))
+    corpus = text.TextCorpus(
+        files=corpus_file,
+        vocab_path=os.path.join(work_dir, "vocab.txt"),
+        vocab_size=128,
+        sequence_length=16,
+        document_per="line",
+        eval_fraction=0.3,
+        log_stats=False,
+    )
+    model = functools.partial(
+        DecoderLM,
+        vocab_size=128,
+        max_length=16,
+        dim=32,
+        depth=2,
+        num_heads=4,
+        mlp_dim=48,
+        dropout=0.1,
+    )
+    return dict(model_fn=model, dataset_fn=functools.partial(text.text_lm, corpus=corpus))

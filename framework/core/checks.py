@@ -61,5 +61,11 @@ def boolean(name: str, value: object) -> None:
         raise TypeError(_message(name, value, "True or False", optional=False))
 
 
+def choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    """Checks that `value` is one of `choices` (strings)."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
 def _message(name: str, value: object, wanted: str, optional: bool) -> str:
     return f"{name} must be {wanted}{' or None' if optional else ''}, got {value!r}"

@@ -110,9 +110,12 @@ def _quiet_start_up() -> Iterator[None]:
 
 
 @functools.cache
-def tpu_device(topology: str, chip_config: str):
-    """The first device of a compile-only TPU topology, e.g. ("v5e:1x1", "default") or
-    ("v4:2x2x1", "megacore"); a "megacore" device is one chip's two TensorCores as one."""
+def tpu_topology_devices(
+    topology: str, chip_config: str, chips_per_host: tuple[int, ...] | None = None
+):
+    """The devices of a compile-only TPU topology, e.g. ("v5e:2x4", "default") for a v5e-8
+    slice or ("v4:2x2x1", "megacore"); a "megacore" device is one chip's two TensorCores as
+    one. `chips_per_host` bounds one host's chips (the whole topology by default: one host)."""
     chips = tuple(int(n) for n in topology.split(":")[1].split("x"))
     # libtpu takes a host-wide lock file when it starts, so that two processes do not drive one
     # TPU. A compile-only client drives none, and the planner's compile workers each start one.
@@ -122,11 +125,16 @@ def tpu_device(topology: str, chip_config: str):
             platform="tpu",
             topology_name=topology,
             chip_config_name=chip_config,
-            chips_per_host_bounds=(*chips, 1)[:3],
+            chips_per_host_bounds=chips_per_host or (*chips, 1)[:3],
             num_slices=1,
             wrap=(False, False, False),
         )
-    return description.devices[0]
+    return tuple(description.devices)
+
+
+def tpu_device(topology: str, chip_config: str):
+    """The first device of a compile-only TPU topology (see `tpu_topology_devices`)."""
+    return tpu_topology_devices(topology, chip_config)[0]
 
 
 def _stablehlo(hlo_module: bytes) -> _ir.Module:
@@ -186,28 +194,30 @@ _BUILD_OPTIONS = {
 def compile_for_tpu(
     hlo_module: bytes, device, compiler_flags: dict[str, str] | None = None
 ) -> TpuCompilation:
-    """Compiles a serialized HloModuleProto for `device` (see `tpu_device`), running nothing.
+    """Compiles a serialized HloModuleProto for `device` (see `tpu_device`), or for a tuple of
+    devices as one replica each (a program with collectives among them), running nothing.
 
     `compiler_flags` are libtpu flags for this compilation only, e.g.
     {"xla_tpu_max_hbm_size_mib": "8192"} (no leading dashes), or XLA's build options by name
     ({"exec_time_optimization_effort": "-1"}, {"optimization_level": "O1"}). The buffer
     assignment comes from a dump of the optimised module into a temporary directory, the one
-    place libtpu writes it.
+    place libtpu writes it. The statistics are one replica's (each runs the same program).
     """
+    devices = tuple(device) if isinstance(device, (tuple, list)) else (device,)
     overrides = {
         name: _BUILD_OPTIONS.get(name, str)(value) for name, value in (compiler_flags or {}).items()
     }
     options = _compiler.get_compile_options(
-        1, 1, device_assignment=[device], env_options_overrides=overrides
+        len(devices), 1, device_assignment=list(devices), env_options_overrides=overrides
     )
     with _jax_mlir.make_ir_context(), tempfile.TemporaryDirectory() as dump:
         debug = options.executable_build_options.debug_options
         debug.xla_dump_to = dump
         debug.xla_dump_hlo_as_proto = True
         debug.xla_dump_hlo_as_text = False
-        executable = device.client.compile(
+        executable = devices[0].client.compile(
             _stablehlo(hlo_module),
-            executable_devices=_jax.DeviceList((device,)),
+            executable_devices=_jax.DeviceList(devices),
             compile_options=options,
         )
         (optimised,) = glob.glob(os.path.join(dump, "*.after_optimizations.hlo.pb"))
@@ -224,3 +234,56 @@ def compile_for_tpu(
         generated_code_bytes=stats.generated_code_size_in_bytes,
         flops=float(cost.get("flops", 0.0)),
     )
+
+
+def run_on_cpu_replicas(hlo_module: bytes, arguments: list[list]) -> list[list]:
+    """Runs a serialized HloModuleProto as one replica per entry of `arguments` on this host's
+    CPU (XLA:CPU runs collectives among replicas of one process), and returns each replica's
+    outputs as NumPy arrays. `arguments[r]` are replica r's parameters, in order.
+
+    TensorFlow's own XLA:CPU runs no program with collectives among replicas; this is how a
+    multi-chip program's collectives are checked on a host without accelerators. Needs as many
+    CPU devices as replicas: `cpu_devices(n)` before jax starts its CPU backend.
+    """
+    import numpy as np
+
+    devices = _jax_cpu_devices()[: len(arguments)]
+    if len(devices) < len(arguments):
+        raise ValueError(
+            f"{len(arguments)} replicas need as many CPU devices; jax has {len(devices)}: "
+            "call cpu_devices(n) before jax starts"
+        )
+    options = _compiler.get_compile_options(len(devices), 1, device_assignment=list(devices))
+    with _jax_mlir.make_ir_context():
+        executable = devices[0].client.compile_and_load(
+            _stablehlo(hlo_module),
+            executable_devices=_jax.DeviceList(tuple(devices)),
+            compile_options=options,
+        )
+
+    # One array per parameter, its replicas' values one per device (as pmap passes them).
+    # TensorFlow's programs take 64-bit values (random seeds), which jax narrows unless told.
+    jax.config.update("jax_enable_x64", True)
+    mesh = jax.sharding.Mesh(np.array(devices), ("replica",))
+    every_device = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def per_parameter(values: list) -> jax.Array:
+        """One buffer per device, each replica's own: an array laid out as if replicated, as
+        a program of replicas (not of partitions) takes its parameters."""
+        arrays = [jax.device_put(np.asarray(v), d) for v, d in zip(values, devices)]
+        return jax.make_array_from_single_device_arrays(arrays[0].shape, every_device, arrays)
+
+    parameters = [
+        per_parameter([replica[i] for replica in arguments]) for i in range(len(arguments[0]))
+    ]
+    results = executable.execute_sharded(parameters).disassemble_into_single_device_arrays()
+    return [[np.asarray(result[r]) for result in results] for r in range(len(devices))]
+
+
+def cpu_devices(count: int) -> None:
+    """Makes jax's CPU backend start with `count` devices (before it starts; once per process)."""
+    jax.config.update("jax_num_cpu_devices", count)
+
+
+def _jax_cpu_devices() -> list:
+    return jax.devices("cpu")

@@ -131,6 +131,93 @@ def optimization_barrier(tensors: list[tf.Tensor]) -> list[tf.Tensor]:
     return list(xla.optimization_barrier(*tensors)) if tensors else []
 
 
+# Sharded training state (`framework.shard`): collectives inside one XLA program, variables
+# placed on the host under a strategy, and Keras variables read as other tensors.
+
+
+def xla_all_reduce(value: tf.Tensor, replicas: int) -> tf.Tensor:
+    """The sum of `value` over replicas 0..`replicas`-1 of the XLA program it is compiled in (an
+    HLO all-reduce). TensorFlow lowers no all-gather or all-to-all into XLA on a CPU host; this
+    op and `xla_reduce_scatter` lower everywhere, and TensorFlow exports neither."""
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+
+    return gen_xla_ops.xla_all_reduce(
+        value, group_assignment=[list(range(replicas))], reduce_op="Add", mode="CrossReplica"
+    )
+
+
+def xla_reduce_scatter(value: tf.Tensor, replicas: int) -> tf.Tensor:
+    """Replica i's part of the sum of `value` ([replicas * k, ...]) over replicas 0..`replicas`-1
+    of the XLA program: rows [i * k, (i + 1) * k) (an HLO reduce-scatter)."""
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+
+    return gen_xla_ops.xla_reduce_scatter(
+        value, group_assignment=[list(range(replicas))], scatter_dimension=0, reduce_op="Add"
+    )
+
+
+def xla_replica_id() -> tf.Tensor:
+    """The replica an XLA program runs as (int32), inside the program."""
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+
+    return gen_xla_ops.xla_replica_id()
+
+
+def trainable_variables_on(device: str) -> contextlib.AbstractContextManager:
+    """Inside a strategy's scope: trainable variables created in the block are one plain variable
+    on `device` (the host's CPU), not a copy on every replica's device; the others are the
+    strategy's as usual. Every strategy's variable creator takes a `SingleDevice` to colocate
+    with (what `experimental_make_numpy_dataset` used), and none exports it."""
+    from tensorflow.python.distribute import numpy_dataset
+
+    def create(next_creator, **kwargs):
+        if kwargs.get("trainable") is not False:  # (None: the default, trainable)
+            kwargs["colocate_with"] = numpy_dataset.SingleDevice(device)
+        return next_creator(**kwargs)
+
+    return tf.variable_creator_scope(create)
+
+
+@contextlib.contextmanager
+def keras_reads_redirected(value_of: Callable):
+    """Reads of a Keras variable inside the block give `value_of(variable)` when that is not None
+    (a tensor of the variable's shape): the layers compute with it, and gradients flow to it.
+    Other variables read and assign as usual (dropout seeds advance); assigning a redirected
+    variable raises. Keras' `StatelessScope` redirects reads, but keeps every assignment to
+    itself; this one passes the others through."""
+    import keras
+    from keras.src.backend.common import global_state
+
+    outer = global_state.get_global_attribute("stateless_scope")
+
+    class Redirected(keras.StatelessScope):
+        def __init__(self):
+            super().__init__(initialize_variables=False)
+
+        def get_current_value(self, variable):
+            value = value_of(variable)
+            if value is None and outer is not None:
+                return outer.get_current_value(variable)
+            return value
+
+        def add_update(self, update):
+            variable, value = update
+            if value_of(variable) is not None:
+                raise ValueError(
+                    f"{variable.path} is read as a gathered copy of its shards here, and cannot "
+                    "be assigned: a layer that assigns its trainable weights in its call cannot "
+                    "have them sharded (Trainer.shard_state)"
+                )
+            global_state.set_global_attribute("stateless_scope", outer)
+            try:
+                variable.assign(value)
+            finally:
+                global_state.set_global_attribute("stateless_scope", scope)
+
+    with Redirected() as scope:
+        yield
+
+
 def autograph_like_caller(function: Callable) -> Callable:
     """`function`, converted by AutoGraph if the code calling us is (as inside a `tf.function`).
 

@@ -67,6 +67,28 @@ def tpu_devices(accelerator_type: str) -> int:
     return max(1, int(match[1]) // (2 if chip.chip_config == "megacore" else 1))
 
 
+def slice_topology(chip: TpuChip, chips: int) -> tuple[str, tuple[int, int, int]]:
+    """The compile-only topology of a slice of `chips` chips (a power of two) and the chips one
+    of its hosts drives: what a program of one replica per chip is compiled for. v5e and v6e
+    slices are 2-D, on one host up to 8 chips and on 4-chip hosts beyond (2x4, 4x4, 4x8, ...);
+    v4 and v5p slices are 3-D tori of 4-chip hosts (2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, ...)."""
+    if chips < 1 or chips & (chips - 1):
+        raise ValueError(f"a TPU slice has a power-of-two number of chips, not {chips}")
+    if chips == 1:
+        bounds = tuple(int(n) for n in chip.topology.split(":")[1].split("x"))
+        return chip.topology, (*bounds, 1, 1)[:3]
+    if chip.chip_config == "megacore":
+        bounds = [2, 2, 1]
+        while bounds[0] * bounds[1] * bounds[2] < chips:
+            smallest = min(bounds)
+            axis = max(a for a in range(3) if bounds[a] == smallest)
+            bounds[axis] *= 2
+        return f"{chip.name}:{'x'.join(map(str, bounds))}", (2, 2, 1)
+    x = 2 ** ((chips.bit_length() - 1) // 2)
+    host = (x, chips // x, 1) if chips <= 8 else (2, 2, 1)
+    return f"{chip.name}:{x}x{chips // x}", host
+
+
 def tpu_chip(name: str) -> TpuChip:
     """The chip a name stands for: "v5e", or a Cloud TPU accelerator type such as
     "v5litepod-16", "v4-32" or "v6e-8" (the slice's size does not matter: the plan is per device).
@@ -165,10 +187,15 @@ _TPU_RNG_STATE_WORDS = 2
 
 
 def compile_for_chip(
-    hlo_module: bytes, chip: TpuChip, compiler_flags: dict[str, str] | None = None
+    hlo_module: bytes,
+    chip: TpuChip,
+    compiler_flags: dict[str, str] | None = None,
+    replicas: int = 1,
 ) -> CompiledMemory:
     """libtpu's plan of a serialized HloModuleProto (TensorFlow's
-    `experimental_get_compiler_ir(...)(stage="hlo_serialized")`) compiled for one `chip`.
+    `experimental_get_compiler_ir(...)(stage="hlo_serialized")`) compiled for one `chip`, or,
+    with `replicas` > 1, for one replica per chip of a slice of that many chips (a program
+    whose collectives span the slice); the plan is one chip's.
 
     Random numbers TensorFlow lets the device choose are drawn as on a TPU (see
     `lower_random_for_tpu`). The totals are the compiler's own memory statistics (what a TPU's
@@ -183,11 +210,13 @@ def compile_for_chip(
     """
     from framework.core import jax_internals
 
-    device = jax_internals.tpu_device(chip.topology, chip.chip_config)
+    topology, chips_per_host = slice_topology(chip, replicas)
+    devices = jax_internals.tpu_topology_devices(topology, chip.chip_config, chips_per_host)
     compiled = jax_internals.compile_for_tpu(
-        lower_random_for_tpu(hlo_module), device, compiler_flags
+        lower_random_for_tpu(hlo_module), devices[:replicas], compiler_flags
     )
-    label = f"TPU {chip.name} (libtpu {jax_internals.versions()['libtpu']})"
+    slice_name = f", one of {replicas} chips" if replicas > 1 else ""
+    label = f"TPU {chip.name}{slice_name} (libtpu {jax_internals.versions()['libtpu']})"
     plan = memory_from_hlo_proto(hlo_pb2.HloProto.FromString(compiled.hlo_proto), label)
     outputs = compiled.output_bytes - compiled.alias_bytes
     total = compiled.argument_bytes + outputs + compiled.temp_bytes

@@ -27,9 +27,10 @@ flags.DEFINE_string(
     "target",
     None,
     "Plan for this TPU with libtpu's TPU compiler, on any host (the tpu extra): a chip (v4, "
-    "v5e, v5p, v6e: the batch sizes are per chip) or an accelerator type such as v5litepod-16 "
-    "(the global batch split over its chips). Every setting is compiled, not run; times are "
-    "the compiler's FLOPs at the chip's peak.",
+    "v5e, v5p, v6e: the batch sizes are per chip) or a slice such as v5e-8 or v5litepod-16 "
+    "(the global batch split over its chips; sharded state cut over them, its collectives "
+    "compiled for all of them). Every setting is compiled, not run; times are the "
+    "compiler's FLOPs at the chip's peak.",
 )
 flags.DEFINE_list(
     "batch_sizes",
@@ -103,6 +104,7 @@ def main(argv: Sequence[str]) -> int:
     from framework.trainer import trainer  # noqa: F401  (registers the gin names)
 
     cli.parse_gin(files, bindings, FLAGS.gin_search_paths)
+    shard_states = cli.shard_states_flag()
     cli.prepare_model_dir(model_dir)
     config = planner.RunConfig(files, bindings, FLAGS.gin_search_paths)
     try:
@@ -118,6 +120,7 @@ def main(argv: Sequence[str]) -> int:
             search_budget=FLAGS.search_budget,
             compile_processes=FLAGS.compile_processes,
             target=target and FLAGS.target,
+            shard_states=shard_states,
         )
     except planner.ConfigError as error:
         raise UsageError(str(error)) from None

@@ -9,9 +9,10 @@ The rule, in order:
    time, or / the step's FLOPs at the device's peak when only compiled), so a larger batch wins
    only when it is faster per example, not per step.
 3. Throughputs within `tie_tolerance` of the best count as equal, because step times on a shared
-   machine move by a few percent between runs. Among equals the policy listed first wins (the
-   default order goes from the least recomputation to the most), then the higher throughput.
-   Without this, noise could pick full remat over no remat at the same measured speed.
+   machine move by a few percent between runs. Among equals the shard level listed first wins
+   (a higher level moves more bytes per step, which FLOPs do not show), then the policy listed
+   first (the default order goes from the least recomputation to the most), then the higher
+   throughput. Without this, noise could pick full remat over no remat at the same speed.
 """
 
 from __future__ import annotations
@@ -65,6 +66,14 @@ def choose(
         return plan
     best = max(m.examples_per_second for m in fitting)
     equals = [m for m in fitting if m.examples_per_second >= best * (1 - tie_tolerance)]
-    order = {policy: i for i, policy in reversed(list(enumerate(m.policy for m in measurements)))}
-    pick = min(equals, key=lambda m: (order[m.policy], -m.examples_per_second))
+    levels = list(dict.fromkeys(m.shard_state for m in measurements))
+    policies = list(dict.fromkeys(m.policy for m in measurements))
+    pick = min(
+        equals,
+        key=lambda m: (
+            levels.index(m.shard_state),
+            policies.index(m.policy),
+            -m.examples_per_second,
+        ),
+    )
     return dataclasses.replace(plan, pick=pick)

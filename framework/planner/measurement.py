@@ -18,6 +18,7 @@ Two ways to measure, `spec["measure"]`:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -57,14 +58,16 @@ class Measurement:
         (`CONFIG_STAGE`) or running it (`RUN_STAGE`) failed.
       measure: `RUN` (the step ran) or `COMPILE` (only XLA's plan: no peak_bytes, no
         step_seconds).
-      state_bytes: the optimizer's state (slots) per device, on top of XLA's plan of the forward
-        and backward pass, whose parameters are the weights.
+      state_bytes: the state a device keeps beside XLA's plan of the forward and backward pass
+        (whose parameters are the weights, or their shards): the optimizer's slots, whole or
+        their shards, and the weights' shards when the program takes the whole weights.
       step_flops: dot and convolution FLOPs of one replica's forward and backward pass in XLA's
         optimised program, the recomputation it keeps included (compile measure).
       peak_flops: the device's peak FLOP/s the step time is estimated from (compile measure).
       xla_flags: the compiler flag variables the step was compiled under (`xla.current_flags`:
         the run's `Runtime.xla_flags`, `xla_memory_limit`, ...), empty ones left out.
       compiler: who planned the compiled figures, e.g. "XLA:CPU" or "TPU v5e (libtpu 0.0.42.1)".
+      shard_state: the level of `Trainer.shard_state` the step was planned at.
     """
 
     policy: str
@@ -83,6 +86,7 @@ class Measurement:
     peak_flops: float | None = None
     xla_flags: dict[str, str] | None = None
     compiler: str | None = None
+    shard_state: str = "none"
 
     @property
     def ok(self) -> bool:
@@ -132,7 +136,8 @@ class Measurement:
 
     @property
     def label(self) -> str:
-        return f"{self.policy} @ {self.batch_size}" if self.batch_size else self.policy
+        label = f"{self.policy} @ {self.batch_size}" if self.batch_size else self.policy
+        return label if self.shard_state == "none" else f"{label}, {self.shard_state} sharded"
 
     def to_json(self) -> dict:
         return {
@@ -155,6 +160,8 @@ def _reason(error: BaseException) -> str:
 
 def _bindings(spec: dict) -> list[str]:
     overrides = [f"Trainer.remat_policy = {spec['policy']!r}"]
+    if spec.get("shard_state"):
+        overrides.append(f"Trainer.shard_state = {spec['shard_state']!r}")
     if spec["batch_size"]:
         overrides.append(f"Trainer.global_batch_size = {int(spec['batch_size'])}")
     return [*spec["bindings"], *overrides]
@@ -169,28 +176,25 @@ def measure(spec: dict) -> Measurement:
     from framework.trainer import Trainer
 
     policy, batch_size = spec["policy"], spec["batch_size"]
+    failed = functools.partial(Measurement, policy, batch_size, shard_state=spec["shard_state"])
     memory.enable_cpu_bfc_allocator()
     try:
         cli.parse_gin(spec["files"], _bindings(spec), spec["search_paths"])
     except cli.UsageError as error:
-        return Measurement(policy, batch_size, error=str(error), stage=CONFIG_STAGE)
+        return failed(error=str(error), stage=CONFIG_STAGE)
     try:
         trainer = Trainer(None)
     except tf.errors.ResourceExhaustedError as error:
-        return Measurement(
-            policy, batch_size, error=f"out of memory: {_reason(error)}", stage=RUN_STAGE
-        )
+        return failed(error=f"out of memory: {_reason(error)}", stage=RUN_STAGE)
     except Exception as error:  # noqa: BLE001 (any failure to build is the config's)
-        return Measurement(policy, batch_size, error=_reason(error), stage=CONFIG_STAGE)
-    batch_size = trainer.settings.global_batch_size
+        return failed(error=_reason(error), stage=CONFIG_STAGE)
+    failed = functools.partial(failed, batch_size=trainer.settings.global_batch_size)
     try:
         return _measure_steps(trainer, policy, spec["steps"])
     except tf.errors.ResourceExhaustedError as error:
-        return Measurement(
-            policy, batch_size, error=f"out of memory: {_reason(error)}", stage=RUN_STAGE
-        )
+        return failed(error=f"out of memory: {_reason(error)}", stage=RUN_STAGE)
     except Exception as error:  # noqa: BLE001 (reported in the plan's table, not raised)
-        return Measurement(policy, batch_size, error=_reason(error), stage=RUN_STAGE)
+        return failed(error=_reason(error), stage=RUN_STAGE)
 
 
 def _measure_steps(trainer, policy: str, steps: int) -> Measurement:
@@ -210,12 +214,14 @@ def _measure_steps(trainer, policy: str, steps: int) -> Measurement:
         start = time.perf_counter()
         trainer.run_steps(iterator, 1)
         times.append(time.perf_counter() - start)
-    compiled = memory.compiled_bytes(*trainer.compiled_step())
+    fn, args = trainer.compiled_step()
+    compiled = memory.compiled_bytes(fn, *args)
     return Measurement(
         policy,
         trainer.settings.global_batch_size,
+        shard_state=trainer.settings.shard_state,
         xla_flags=xla.current_flags(),
-        state_bytes=state_bytes(trainer.optimizer),
+        state_bytes=kept_bytes(trainer.optimizer, trainer.sharded, in_program=False),
         peak_bytes=tracker.result.peak_bytes,
         live_before_bytes=tracker.result.live_before_bytes,
         compiled_total_bytes=compiled.total_bytes,
@@ -226,33 +232,49 @@ def _measure_steps(trainer, policy: str, steps: int) -> Measurement:
     )
 
 
-def state_bytes(optimizer) -> int:
-    """The optimizer's state per device (its variables: slots and counters), which lives
-    beside the forward and backward pass the planner compiles."""
+def state_bytes(variables) -> int:
+    """The bytes of `variables` (one device's copy of each)."""
     import tensorflow as tf
 
-    return sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in optimizer.variables)
+    return sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in variables)
+
+
+def kept_bytes(optimizer, sharded, in_program: bool) -> int:
+    """What a device keeps beside the forward and backward pass the planner compiles: the
+    optimizer's variables (slots and counters: whole, or with `sharded` state their shards),
+    and the weights' shards unless the program takes them (`in_program` above "optimizer")."""
+    if sharded is None:
+        return state_bytes(optimizer.variables)
+    kept = state_bytes(sharded.optimizer.variables)
+    if not sharded.reduces_in_program(in_program):
+        kept += state_bytes(sharded.shards)
+    return kept
 
 
 def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
     """A compile worker: builds the configured trainer once, yields `READY`, then for each job
-    line of `jobs` (`{"policy": ..., "batch_size": ...}`) XLA's plan of that combination as a
-    compile-only Measurement's JSON, setting each policy on the model in turn; until `jobs`
-    ends. When the trainer cannot be built, every job gets that config error. A CPU's peak
-    FLOP/s is measured before `READY`, so before the parent starts another worker.
+    line of `jobs` (`{"policy": ..., "batch_size": ..., "shard_state": ...}`) XLA's plan of that
+    combination as a compile-only Measurement's JSON, setting each policy on the model in turn;
+    until `jobs` ends. When the trainer cannot be built, every job gets that config error. A
+    CPU's peak FLOP/s is measured before `READY`, so before the parent starts another worker.
 
-    With `spec["target"]` (a TPU chip, see `memory.tpu.tpu_chip`) each step is compiled by
-    libtpu's compiler for that chip instead, its time estimated from the compiler's FLOP count
-    at the chip's peak."""
+    With `spec["target"]` (a TPU chip or slice, see `memory.tpu.tpu_chip`) each step is
+    compiled by libtpu's compiler for that chip instead, its time estimated from the compiler's
+    FLOP count at the chip's peak. The trainer is built unsharded; a shard level is planned on a
+    `shard.ShardedState` cut for the run's replicas (a slice's chips), built once per level.
+    On a slice, the "gradients" and "weights" levels compile the one program of all replicas a
+    TPU runs (collectives inside) for every chip of the slice; elsewhere the program is the
+    one the run's strategy compiles."""
     import tensorflow as tf
 
-    from framework import cli, memory, remat
+    from framework import cli, memory, remat, shard
     from framework.memory import tpu
     from framework.runtime import distribute, flops, xla
-    from framework.trainer import Trainer
+    from framework.trainer import Trainer, optim
 
     chip = tpu.tpu_chip(spec["target"]) if spec.get("target") else None
-    bindings = list(spec["bindings"])
+    bindings = [*spec["bindings"], "Trainer.shard_state = 'none'"]
+    devices = 1
     if chip is not None:
         # The step of one device, built on this host's CPU: the worker never claims a TPU (on a
         # TPU VM the run itself holds it), and the slice's devices split the global batch.
@@ -264,28 +286,52 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
     except Exception as error:  # noqa: BLE001 (any failure to build is the config's)
         trainer, build_error = None, _reason(error)
     else:
-        state = state_bytes(trainer.optimizer)
+        replicas = devices if chip is not None else trainer.strategy.num_replicas_in_sync
         if chip is None:
             peak, _ = trainer.runtime.peak_flops_per_device(trainer.strategy)
         else:
             peak = chip.peak_flops
     yield READY
 
-    def plan_step(fn, batch) -> tuple[memory.CompiledMemory, float]:
-        """One compilation for both figures: the plan and the FLOPs its time is estimated from."""
-        if chip is not None:
-            hlo = fn.experimental_get_compiler_ir(batch)(stage="hlo_serialized")
-            compiled = tpu.compile_for_chip(hlo, chip)
-            return compiled, compiled.flops
-        compiled, step_flops = flops.compiled_plan_and_flops(
-            fn, batch, device=distribute.first_device(trainer.strategy)
-        )
-        return compiled, float(step_flops)
+    @functools.cache
+    def sharded(level: str) -> shard.ShardedState | None:
+        if level == "none":
+            return None
+        s = trainer.settings
+        with trainer.strategy.scope():
+            optimizer, _ = optim.scheduled_optimizer(
+                s.optimizer_fn, s.learning_rate, s.warmup_steps, s.train_steps, s.weight_decay
+            )
+        return shard.ShardedState(level, trainer.strategy, trainer.model, optimizer, replicas)
 
-    def compile_one(policy: str, batch_size: int | None) -> Measurement:
+    plans: dict[tuple, tuple[memory.CompiledMemory, float]] = {}
+
+    def plan_step(key: tuple, fn, *args) -> tuple[memory.CompiledMemory, float]:
+        """One compilation for both figures: the plan and the FLOPs its time is estimated from
+        (one per program: levels whose step compiles the same program share it)."""
+        if key in plans:
+            return plans[key]
+        if chip is not None:
+            in_program = key[-1] == "in program"
+            hlo = fn.experimental_get_compiler_ir(*args)(stage="hlo_serialized")
+            compiled = tpu.compile_for_chip(hlo, chip, replicas=replicas if in_program else 1)
+            plans[key] = compiled, compiled.flops
+        else:
+            compiled, step_flops = flops.compiled_plan_and_flops(
+                fn, *args, device=distribute.first_device(trainer.strategy)
+            )
+            plans[key] = compiled, float(step_flops)
+        return plans[key]
+
+    def compile_one(policy: str, batch_size: int | None, level: str) -> Measurement:
         if trainer is None:
-            return Measurement(policy, batch_size, error=build_error, stage=CONFIG_STAGE)
+            return Measurement(
+                policy, batch_size, error=build_error, stage=CONFIG_STAGE, shard_state=level
+            )
         batch_size = batch_size or trainer.settings.global_batch_size
+        failed = functools.partial(
+            Measurement, policy, batch_size, stage=RUN_STAGE, measure=COMPILE, shard_state=level
+        )
         try:
             resolved = remat.get_policy(policy)
             enable = resolved is not remat.policies.everything_saveable
@@ -295,16 +341,19 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
                     f"batch size {batch_size} does not split over the {devices} devices of "
                     f"{spec['target']}"
                 )
+            state = sharded(level)
+            in_program = chip is not None and state is not None and state.reduces_in_program(True)
             # compiled_step splits a global batch over the strategy's replicas (one, for a chip).
             step_batch = batch_size if chip is None else batch_size // devices
-            compiled, step_flops = plan_step(*trainer.compiled_step(step_batch))
+            fn, args = trainer.compiled_step(step_batch, planned=state, in_program=in_program)
+            program = level if in_program else ("gathered" if len(args) > 1 else "whole")
+            key = (policy, step_batch, program, "in program" if in_program else "")
+            compiled, step_flops = plan_step(key, fn, *args)
+            kept = kept_bytes(trainer.optimizer, state, in_program)
         except tf.errors.ResourceExhaustedError as error:
-            message = f"out of host memory while compiling: {_reason(error)}"
-            return Measurement(policy, batch_size, error=message, stage=RUN_STAGE, measure=COMPILE)
+            return failed(error=f"out of host memory while compiling: {_reason(error)}")
         except Exception as error:  # noqa: BLE001 (reported in the plan's table, not raised)
-            return Measurement(
-                policy, batch_size, error=_reason(error), stage=RUN_STAGE, measure=COMPILE
-            )
+            return failed(error=_reason(error))
         return Measurement(
             policy,
             batch_size,
@@ -312,17 +361,19 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
             compiled_temp_bytes=compiled.temp_bytes,
             compiled_peak_bytes=compiled.peak_bytes,
             measure=COMPILE,
-            state_bytes=state,
+            state_bytes=kept,
             step_flops=step_flops,
             peak_flops=peak,
             xla_flags=xla.current_flags(),
             compiler=compiled.compiler,
+            shard_state=level,
         )
 
     for line in iter(jobs.readline, ""):
         if line.strip():
             job = json.loads(line)
-            yield compile_one(job["policy"], job["batch_size"]).to_json()
+            level = job.get("shard_state", "none")
+            yield compile_one(job["policy"], job["batch_size"], level).to_json()
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ from framework.planner.measurement import SKIPPED_STAGE, Measurement
 
 _COLUMNS = (
     "policy",
+    "shard",
     "batch",
     "peak",
     "step adds",
@@ -41,13 +42,14 @@ def _row(plan: Plan, m: Measurement) -> tuple[str, ...]:
     batch = str(m.batch_size or "config")
     if not m.ok:
         reason = m.error if m.stage == SKIPPED_STAGE else f"failed: {m.error}"
-        return (m.policy, batch, "-", "-", "-", "-", "-", "-", reason)
+        return (m.policy, m.shard_state, batch, "-", "-", "-", "-", "-", "-", reason)
     mark = "yes" if plan.fits(m) else "no"
     if m is plan.pick:
         mark = "PICK"
     estimated = ESTIMATED if m.step_seconds is None else ""
     return (
         m.policy,
+        m.shard_state,
         batch,
         _mib(m.peak_bytes),
         _mib(m.step_bytes),
@@ -95,7 +97,8 @@ def verdict(plan: Plan) -> str:
         pick = plan.pick
         speed = "" if pick.measure == "run" else " (estimated from its FLOPs)"
         return (
-            f"pick: remat policy {pick.policy} at batch size {pick.batch_size}: {pick.fit_kind} "
+            f"pick: remat policy {pick.policy} at batch size {pick.batch_size}{_sharded(pick)}: "
+            f"{pick.fit_kind} "
             f"{format_bytes(pick.fit_bytes)} of a budget of {budget}, "
             f"{rate(pick.examples_per_second)} examples/s{speed}"
         )
@@ -105,10 +108,15 @@ def verdict(plan: Plan) -> str:
     over = smallest.fit_bytes - plan.usable_bytes
     return (
         f"nothing fits in {budget}: the smallest is remat policy {smallest.policy} at batch "
-        f"size {smallest.batch_size}, {smallest.fit_kind} {format_bytes(smallest.fit_bytes)}, "
+        f"size {smallest.batch_size}{_sharded(smallest)}, {smallest.fit_kind} "
+        f"{format_bytes(smallest.fit_bytes)}, "
         f"{format_bytes(over)} over the usable budget "
         f"({smallest.fit_bytes / plan.budget_bytes:.2f}x the budget)"
     )
+
+
+def _sharded(m: Measurement) -> str:
+    return "" if m.shard_state == "none" else f", state sharded at the {m.shard_state} level"
 
 
 def to_json(plan: Plan) -> dict:
@@ -125,7 +133,11 @@ def to_json(plan: Plan) -> dict:
         ],
         "pick": None
         if plan.pick is None
-        else {"policy": plan.pick.policy, "batch_size": plan.pick.batch_size},
+        else {
+            "policy": plan.pick.policy,
+            "batch_size": plan.pick.batch_size,
+            "shard_state": plan.pick.shard_state,
+        },
         "verdict": verdict(plan),
     }
 

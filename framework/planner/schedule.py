@@ -37,12 +37,13 @@ BUDGET_PREFIX = "budget:"
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """One compilation: a policy at a batch size (None: the config's); `search` for a budget
-    probe, so a listed "budget:0.5" and the search's own are told apart."""
+    """One compilation: a policy at a batch size (None: the config's) and a shard level;
+    `search` for a budget probe, so a listed "budget:0.5" and the search's own are told apart."""
 
     policy: str
     batch_size: int | None
     search: bool = False
+    shard_state: str = "none"
 
 
 def _is_no_remat(policy: str) -> bool:
@@ -62,9 +63,16 @@ class BudgetSearch:
     or (nothing fits) the failure at fraction 0. Assumes the plan grows with the fraction; where
     it does not, what is found still fits."""
 
-    def __init__(self, usable_bytes: int, batch_size: int | None, grid: int = BUDGET_GRID):
+    def __init__(
+        self,
+        usable_bytes: int,
+        batch_size: int | None,
+        grid: int = BUDGET_GRID,
+        shard_state: str = "none",
+    ):
         self.usable_bytes = usable_bytes
         self.batch_size = batch_size
+        self.shard_state = shard_state
         self.grid = grid
         self.low, self.high = -1, grid + 1  # largest point known to fit, smallest known not to
         self.best: Measurement | None = None
@@ -82,7 +90,8 @@ class BudgetSearch:
         return self.best or self.at_zero
 
     def _job(self, point: int) -> Job:
-        return Job(f"{BUDGET_PREFIX}{point / self.grid:g}", self.batch_size, search=True)
+        policy = f"{BUDGET_PREFIX}{point / self.grid:g}"
+        return Job(policy, self.batch_size, search=True, shard_state=self.shard_state)
 
     def next_job(self, width: int) -> Job | None:
         """A probe to compile, or None while this round's are all out (or the search is done)."""
@@ -128,9 +137,12 @@ class CompileSchedule:
     Args:
       policy_names, batch_sizes: the combinations, every policy at each batch size in turn.
       usable_bytes: the budget less its margin: what fits.
-      search: whether to search the budget fraction (at the last batch size) after them.
+      search: whether to search the budget fraction (at the last batch size and shard level)
+        after them.
       may_skip: given the no-remat result of a batch size, whether the combinations it shows
         cannot be faster may be left out.
+      shard_states: the shard levels, each with every combination in turn (dominance is judged
+        within one level: a higher level moves more bytes than FLOPs show).
     """
 
     def __init__(
@@ -140,11 +152,19 @@ class CompileSchedule:
         usable_bytes: int,
         search: bool = False,
         may_skip: Callable[[Measurement], bool] = lambda baseline: False,
+        shard_states: Sequence[str] = ("none",),
     ):
-        self.jobs = [Job(p, b) for b in batch_sizes for p in policy_names]
+        self.jobs = [
+            Job(p, b, shard_state=s)
+            for s in shard_states
+            for b in batch_sizes
+            for p in policy_names
+        ]
         self.usable_bytes = usable_bytes
         self.may_skip = may_skip
-        self.search = BudgetSearch(usable_bytes, batch_sizes[-1]) if search else None
+        self.search = None
+        if search:
+            self.search = BudgetSearch(usable_bytes, batch_sizes[-1], shard_state=shard_states[-1])
         self.config_error: Measurement | None = None
         self._results: dict[Job, Measurement] = {}
         self._pending = list(self.jobs)
@@ -204,11 +224,13 @@ class CompileSchedule:
             self.search.record(job, result)
         else:
             self._results[job] = result
-        self._skip_dominated(job.batch_size)
+        self._skip_dominated(job.batch_size, job.shard_state)
 
-    def _skip_dominated(self, batch_size: int | None) -> None:
+    def _skip_dominated(self, batch_size: int | None, shard_state: str) -> None:
         results = [
-            (job, m) for job, m in self._results.items() if job.batch_size == batch_size and m.ok
+            (job, m)
+            for job, m in self._results.items()
+            if job.batch_size == batch_size and job.shard_state == shard_state and m.ok
         ]
         baseline = next((m for job, m in results if _is_no_remat(job.policy)), None)
         if baseline is None or not baseline.step_flops or not self.may_skip(baseline):
@@ -228,11 +250,14 @@ class CompileSchedule:
         left_out = [
             job
             for job in self.jobs[self.jobs.index(first) + 1 :]
-            if job.batch_size == batch_size and job not in self._results
+            if job.batch_size == batch_size
+            and job.shard_state == shard_state
+            and job not in self._results
         ]
         search_left = (
             self.search is not None
             and self.search.batch_size == batch_size
+            and self.search.shard_state == shard_state
             and not self._search_skipped
         )
         if left_out or search_left:
@@ -248,6 +273,7 @@ class CompileSchedule:
                 error=reason,
                 stage=SKIPPED_STAGE,
                 measure=COMPILE,
+                shard_state=shard_state,
             )
             self._out.discard(job)
             if job in self._pending:
@@ -270,6 +296,7 @@ class CompileSchedule:
                 error=missing,
                 stage=CONFIG_STAGE if self.config_error else None,
                 measure=COMPILE,
+                shard_state=job.shard_state,
             )
             for job in self.jobs
         ]

@@ -48,6 +48,7 @@ def measure_combination(
     batch_size: int | None,
     steps: int,
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    shard_state: str = "none",
 ) -> Measurement:
     """Measures one combination in a child process; a crash or timeout becomes a failed result."""
     spec = {
@@ -57,11 +58,12 @@ def measure_combination(
         "policy": policy,
         "batch_size": batch_size,
         "steps": steps,
+        "shard_state": shard_state,
     }
     results, failure = run_child(spec, timeout)
     if results:
         return results[-1]
-    return Measurement(policy, batch_size, error=failure, stage=RUN_STAGE)
+    return Measurement(policy, batch_size, error=failure, stage=RUN_STAGE, shard_state=shard_state)
 
 
 def compile_combinations(
@@ -74,6 +76,7 @@ def compile_combinations(
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
     processes: int = 0,
     target: str | None = None,
+    shard_states: Sequence[str] = ("none",),
 ) -> list[Measurement]:
     """XLA's plan of every combination in the order listed, then (with `search_budget`) the
     largest memory-budget fraction that fits `usable_bytes` at the last batch size; what
@@ -82,7 +85,7 @@ def compile_combinations(
     `processes` compile workers at most, each holding the weights and the optimizer state in
     host memory; 0 chooses by the cores and the memory (`workers.compile_in_workers`).
     `target` names a TPU chip to compile for with libtpu's compiler (`memory.tpu.tpu_chip`);
-    None compiles for this host's device.
+    None compiles for this host's device. Each level of `shard_states` plans every combination.
     """
     spec = {
         "files": list(config.files),
@@ -91,7 +94,9 @@ def compile_combinations(
         "measure": COMPILE,
         "target": target,
     }
-    schedule = CompileSchedule(policies, batch_sizes, usable_bytes, search_budget, may_skip)
+    schedule = CompileSchedule(
+        policies, batch_sizes, usable_bytes, search_budget, may_skip, shard_states
+    )
     compile_in_workers(spec, schedule, processes, timeout)
     results = schedule.results()
     # Each worker measured a CPU's peak for itself (this process starts no device: on a GPU or
@@ -114,9 +119,12 @@ def make_plan(
     search_budget: bool = True,
     compile_processes: int = 0,
     target: str | None = None,
+    shard_states: Sequence[str] = ("none",),
 ) -> Plan:
     """Plans every combination and picks one (see `choose`). `None` as a batch size keeps the
-    config's own. A `target` TPU chip plans every combination with libtpu's compiler for that
+    config's own. Every combination is planned at each level of `shard_states` (levels of
+    `Trainer.shard_state`; a target slice plans its per-chip program for its chip count). A
+    `target` TPU chip plans every combination with libtpu's compiler for that
     chip (`measure` must then be "compile" or "auto", which becomes "compile": nothing can run
     on a chip this host does not have).
 
@@ -174,6 +182,7 @@ def make_plan(
             timeout,
             compile_processes,
             target,
+            shard_states,
         )
     if compiled and compiled[0].stage == CONFIG_STAGE:
         raise ConfigError(f"cannot build the run: {compiled[0].error}")
@@ -188,26 +197,29 @@ def make_plan(
         )
     if measure == COMPILE:
         return choose(compiled, budget_bytes, safety_margin, tie_tolerance)
-    searched = [m.policy for m in compiled[len(policies) * len(batch_sizes) :] if m.ok]
+    listed = len(policies) * len(batch_sizes) * len(shard_states)
+    searched = [m.policy for m in compiled[listed:] if m.ok]
     measurements = []
-    for batch_size in batch_sizes:
-        for policy in [*policies, *searched]:
-            logging.info(
-                "plan: measuring remat policy %s, batch size %s",
-                policy,
-                batch_size or "of the config",
-            )
-            result = measure_combination(config, policy, batch_size, steps, timeout)
-            if not measurements and result.stage == CONFIG_STAGE:
-                raise ConfigError(f"cannot build the run: {result.error}")
-            measurements.append(result)
-            if result.ok:
+    for level in shard_states:
+        for batch_size in batch_sizes:
+            for policy in [*policies, *searched]:
                 logging.info(
-                    "plan: %s: peak %s, %.3f s per step",
-                    result.label,
-                    format_bytes(result.peak_bytes),
-                    result.step_seconds,
+                    "plan: measuring remat policy %s, batch size %s, shard state %s",
+                    policy,
+                    batch_size or "of the config",
+                    level,
                 )
-            else:
-                logging.info("plan: %s failed: %s", result.label, result.error)
+                result = measure_combination(config, policy, batch_size, steps, timeout, level)
+                if not measurements and result.stage == CONFIG_STAGE:
+                    raise ConfigError(f"cannot build the run: {result.error}")
+                measurements.append(result)
+                if result.ok:
+                    logging.info(
+                        "plan: %s: peak %s, %.3f s per step",
+                        result.label,
+                        format_bytes(result.peak_bytes),
+                        result.step_seconds,
+                    )
+                else:
+                    logging.info("plan: %s failed: %s", result.label, result.error)
     return choose(measurements, budget_bytes, safety_margin, tie_tolerance)

@@ -111,7 +111,9 @@ class _Worker:
 
     def send(self, job: Job, timeout: float) -> bool:
         """Hands the worker `job`; False when the process is gone (its input is closed)."""
-        line = json.dumps({"policy": job.policy, "batch_size": job.batch_size})
+        line = json.dumps(
+            {"policy": job.policy, "batch_size": job.batch_size, "shard_state": job.shard_state}
+        )
         try:
             self.proc.stdin.write(line.encode() + b"\n")
             self.proc.stdin.flush()
@@ -322,7 +324,14 @@ def _end(pool: _Pool, schedule, selector, worker: _Worker, failure: str | None) 
 
 
 def _failed(job: Job, failure: str) -> Measurement:
-    return Measurement(job.policy, job.batch_size, error=failure, stage=RUN_STAGE, measure=COMPILE)
+    return Measurement(
+        job.policy,
+        job.batch_size,
+        error=failure,
+        stage=RUN_STAGE,
+        measure=COMPILE,
+        shard_state=job.shard_state,
+    )
 
 
 def _fail_rest(schedule: CompileSchedule, failure: str) -> None:

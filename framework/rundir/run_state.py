@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import keras
 import numpy as np
@@ -34,6 +34,7 @@ from framework.core.errors import PreemptedError, TrainerError
 from framework.rundir import checkpoints
 from framework.rundir import lock as run_lock
 from framework.runtime import distribute
+from framework.shard import checkpoint_view
 
 
 def random_state(model: keras.Model) -> list[keras.Variable]:
@@ -69,8 +70,13 @@ class RunState:
         strategy: tf.distribute.Strategy,
         keep: int | None,
         lease_seconds: float,
+        replaced: Mapping[int, tf.__internal__.tracking.Trackable] | None = None,
+        on_restore: Callable[[], None] | None = None,
     ):
         self.model, self.optimizer = model, optimizer
+        self._saved_model = checkpoint_view(model, replaced or {})
+        self._saved_optimizer = checkpoint_view(optimizer, replaced or {})
+        self._on_restore = on_restore
         self._data_position = tf.Variable(b"", trainable=False, dtype=tf.string)
         self.saved_data_position: np.ndarray | None = None
         self.learning_rate_scale = learning_rate_scale
@@ -93,8 +99,8 @@ class RunState:
             self._check_workers_agree(strategy)
         self.manager = tf.train.CheckpointManager(
             tf.train.Checkpoint(
-                model=model,
-                optimizer=optimizer,
+                model=self._saved_model,
+                optimizer=self._saved_optimizer,
                 learning_rate_scale=learning_rate_scale,
                 random_state=self.random_state,
                 replicas_in_sync=tf.Variable(self._replicas, trainable=False, dtype=tf.int64),
@@ -149,9 +155,11 @@ class RunState:
         return restored
 
     def _restore(self, prefix: str) -> None:
-        tf.train.Checkpoint(model=self.model, optimizer=self.optimizer).restore(
+        tf.train.Checkpoint(model=self._saved_model, optimizer=self._saved_optimizer).restore(
             prefix
         ).assert_existing_objects_matched().expect_partial()  # (the rest: below, TF's own)
+        if self._on_restore is not None:
+            self._on_restore()
         # Apart, as checkpoints written before it existed lack it (they mean a scale of 1).
         self.learning_rate_scale.assign(1.0)
         tf.train.Checkpoint(learning_rate_scale=self.learning_rate_scale).restore(

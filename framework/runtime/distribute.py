@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import urllib.parse
@@ -104,6 +105,24 @@ def _tpu_strategy(
     return tf.distribute.TPUStrategy(resolver)
 
 
+@functools.cache
+def _mirrored(devices: tuple[str, ...] | None) -> tf.distribute.MirroredStrategy:
+    """One MirroredStrategy per set of devices in a process: each numbers its collectives from
+    the same keys, so two of them over the same devices mix up each other's collectives (a
+    shape mismatch in a collective the second run did not make)."""
+    return tf.distribute.MirroredStrategy(None if devices is None else list(devices))
+
+
+@functools.cache
+def _multi_worker(collectives: str) -> tf.distribute.MultiWorkerMirroredStrategy:
+    """One MultiWorkerMirroredStrategy per process: it configures the process's collectives
+    once, with keys of its own (see `_mirrored`)."""
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=COLLECTIVES[collectives]
+    )
+    return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+
+
 def create_strategy(
     name: str = "one_device",
     cpu_devices: int | None = None,
@@ -130,12 +149,9 @@ def create_strategy(
         strategy = tf.distribute.OneDeviceStrategy("/gpu:0" if accelerators else "/cpu:0")
     elif name == "mirrored":
         devices = None if accelerators else split_cpu(cpu_devices or 1)
-        strategy = tf.distribute.MirroredStrategy(devices)
+        strategy = _mirrored(None if devices is None else tuple(devices))
     elif name == "multi_worker_mirrored":
-        options = tf.distribute.experimental.CommunicationOptions(
-            implementation=COLLECTIVES[collectives]
-        )
-        strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        strategy = _multi_worker(collectives)
     else:
         strategy = _tpu_strategy(tpu or "", tpu_zone, tpu_project, tpu_node)
     logging.info(

@@ -33,8 +33,16 @@ class Difference:
 
 
 def _state(trainer) -> list[tuple[str, np.ndarray]]:
+    """Every variable's value; sharded ones whole, as a checkpoint saves them."""
+    whole = trainer.sharded.checkpoint_replacements() if trainer.sharded else {}
     variables = trainer.model.variables + trainer.optimizer.variables
-    return [(getattr(v, "path", None) or v.name, np.asarray(v.numpy())) for v in variables]
+    return [
+        (
+            getattr(v, "path", None) or v.name,
+            np.asarray(whole[id(v)].read() if id(v) in whole else v.numpy()),
+        )
+        for v in variables
+    ]
 
 
 def first_difference(build: Callable[[], object], num_steps: int) -> Difference | None:

@@ -56,20 +56,18 @@ class ScaledSchedule(Schedule):
 
 def scheduled_optimizer(
     optimizer_fn: OptimizerFn,
-    variables: list,
     learning_rate: float,
     warmup_steps: int,
     total_steps: int,
     weight_decay: float,
 ) -> tuple[keras.optimizers.Optimizer, tf.Variable]:
-    """`optimizer_fn`'s optimizer on the warm-up + cosine schedule times a scale variable, built
-    for `variables`; and that scale, which a divergence rollback lowers (it is saved with the
-    checkpoints, so a restart keeps it). Call it in the strategy's scope."""
+    """`optimizer_fn`'s optimizer on the warm-up + cosine schedule times a scale variable (not
+    built: build it for the variables it updates); and that scale, which a divergence rollback
+    lowers (it is saved with the checkpoints, so a restart keeps it). Call it in the strategy's
+    scope."""
     scale = tf.Variable(1.0, trainable=False, name="lr_scale")
     schedule = ScaledSchedule(warmup_cosine(learning_rate, warmup_steps, total_steps), scale)
-    optimizer = optimizer_fn(schedule, weight_decay)
-    optimizer.build(variables)
-    return optimizer, scale
+    return optimizer_fn(schedule, weight_decay), scale
 
 
 def warmup_cosine(

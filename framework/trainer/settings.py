@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, ClassVar
 import gin
 import keras
 
-from framework import remat
+from framework import remat, shard
 from framework.core import checks
 from framework.data.sharding import DatasetFn
 from framework.rundir import lock as run_lock
@@ -57,6 +57,9 @@ class TrainerSettings:
       divergence_rollbacks, rollback_learning_rate_factor: see `actions.StopDivergence`.
       remat_policy: a name from `remat.policy_names()` or a policy, applied to the model's
         repeated blocks.
+      shard_state: what each replica keeps only its part of (`framework.shard`): "none", or
+        "optimizer" (the optimizer's state), "gradients" (and the summed gradients) or
+        "weights" (and the weights, gathered where they are read).
       init_checkpoint: a checkpoint (or a run's model_dir) whose model weights initialise a
         run that starts afresh (`warm_start`): fine-tuning. Ignored once the run has
         checkpoints of its own, which it resumes from.
@@ -91,6 +94,7 @@ class TrainerSettings:
     divergence_rollbacks: int = 0
     rollback_learning_rate_factor: float = 0.5
     remat_policy: str | remat.policies.Policy | None = None
+    shard_state: str = "none"
     init_checkpoint: str | None = None
     runtime: Runtime | None = None
     actions: Sequence[Action] = ()
@@ -115,6 +119,7 @@ class TrainerSettings:
         )
         checks.number("Trainer.lock_lease_seconds", self.lock_lease_seconds)
         checks.boolean("Trainer.count_flops", self.count_flops)
+        checks.choice("Trainer.shard_state", self.shard_state, shard.LEVELS)
 
     def check_replicas(self, replicas: int) -> None:
         """Each replica must get an equal part of the global batch, in equal micro-batches."""

@@ -6,6 +6,12 @@ replicas reads replica 0's variables from the other devices, and fails). Gradien
 summed across replicas once, clipped by their global norm and applied. A host loop runs
 `num_steps` steps in one `tf.function` over `tf.range`, so Python is entered once per loop.
 
+With sharded training state (`framework.shard`, `Trainer.shard_state`) the replica's update is
+the `ShardedState`'s: gradients reduce-scattered onto each replica's parts, clipped by the global
+norm over all parts, the optimizer on the parts, the weights gathered back. On CPUs and GPUs the
+collectives run between the replica's programs; on a TPU, where the whole replica step is one
+XLA program, gathers and reduce-scatters run inside the forward and backward pass.
+
 With `microbatches > 1` each replica's batch is cut into that many micro-batches whose gradients
 are summed inside the compiled program (as t5x accumulates them), so activations are held for one
 micro-batch at a time: the way to a large global batch when memory is the limit. The loss is a
@@ -23,6 +29,7 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
+from framework.shard.state import ShardedState, WeightReads, reads_redirected
 from framework.trainer.losses import LossFn, cross_entropy, label_classes
 
 # What a train loop returns, summed over its steps (the norm too: divide by the steps).
@@ -61,56 +68,72 @@ def batch_sums(
     )
 
 
-def _batch_gradients(model: keras.Model, batch, loss_fn: LossFn):
-    variables = model.trainable_variables
+def _batch_gradients(model: keras.Model, batch, loss_fn: LossFn, reads: WeightReads):
     with tf.GradientTape() as tape:
+        tape.watch([s for s in reads.sources if not isinstance(s, keras.Variable)])
         sums = batch_sums(model, batch, loss_fn, training=True)
-    grads = tape.gradient(sums[0], variables)
+    grads = tape.gradient(sums[0], reads.sources)
     # Dense and never None, so micro-batch sums and the all-reduce see one structure.
     grads = [
         tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
-        for g, v in zip(grads, variables, strict=True)
+        for g, v in zip(grads, reads.sources, strict=True)
     ]
     return sums, grads
 
 
 def split_batch(batch, microbatches: int):
-    """The batch as `microbatches` micro-batches stacked on a new leading axis."""
+    """The batch as `microbatches` micro-batches stacked on a new leading axis. A batch whose
+    size is known only when the step runs (a multi-worker pipeline's) is split then: the
+    trainer checked that the global batch splits (`TrainerSettings.check_replicas`)."""
 
     def split(x: tf.Tensor) -> tf.Tensor:
         size = x.shape[0]
-        if size is None or size % microbatches:
+        if size is not None and size % microbatches:
             raise ValueError(
                 f"a replica's batch of {size} examples does not split into "
                 f"Trainer.microbatches = {microbatches} equal micro-batches"
             )
-        return tf.reshape(x, [microbatches, size // microbatches, *x.shape[1:]])
+        part = -1 if size is None else size // microbatches
+        return tf.reshape(x, [microbatches, part, *x.shape[1:]])
 
     return tf.nest.map_structure(split, batch)
 
 
-def gradients(model: keras.Model, batch, loss_fn: LossFn = cross_entropy, microbatches: int = 1):
+def gradients(
+    model: keras.Model,
+    batch,
+    loss_fn: LossFn = cross_entropy,
+    microbatches: int = 1,
+    reads: WeightReads | None = None,
+):
     """One replica's forward and backward pass: ((loss_sum, correct, count), gradients of the
-    loss sum), summed over `microbatches` micro-batches run one after the other."""
-    if microbatches == 1:
-        return _batch_gradients(model, batch, loss_fn)
-    stacked = split_batch(batch, microbatches)
-    zeros = (
-        (tf.constant(0.0), tf.constant(0.0), tf.constant(0.0)),
-        [tf.zeros(v.shape, v.dtype) for v in model.trainable_variables],
-    )
+    loss sum), summed over `microbatches` micro-batches run one after the other.
 
-    def body(i, sums, grads):
-        part = tf.nest.map_structure(lambda x: x[i], stacked)
-        more_sums, more_grads = _batch_gradients(model, part, loss_fn)
-        return (
-            i + 1,
-            tuple(a + b for a, b in zip(sums, more_sums, strict=True)),
-            [a + b for a, b in zip(grads, more_grads, strict=True)],
+    Gradients are for the model's trainable variables, or for `reads.sources` when the model
+    computes with other values in their place (sharded weights, `WeightReads`): the reads stay
+    redirected through the backward pass, where checkpointed blocks are recomputed.
+    """
+    reads = reads or WeightReads.unchanged(model)
+    with reads_redirected(reads):
+        if microbatches == 1:
+            return _batch_gradients(model, batch, loss_fn, reads)
+        stacked = split_batch(batch, microbatches)
+        zeros = (
+            (tf.constant(0.0), tf.constant(0.0), tf.constant(0.0)),
+            [tf.zeros(v.shape, v.dtype) for v in reads.sources],
         )
 
-    _, sums, grads = tf.while_loop(lambda i, *_: i < microbatches, body, (0, *zeros))
-    return sums, grads
+        def body(i, sums, grads):
+            part = tf.nest.map_structure(lambda x: x[i], stacked)
+            more_sums, more_grads = _batch_gradients(model, part, loss_fn, reads)
+            return (
+                i + 1,
+                tuple(a + b for a, b in zip(sums, more_sums, strict=True)),
+                [a + b for a, b in zip(grads, more_grads, strict=True)],
+            )
+
+        _, sums, grads = tf.while_loop(lambda i, *_: i < microbatches, body, (0, *zeros))
+        return sums, grads
 
 
 def compiled_gradients(
@@ -118,15 +141,32 @@ def compiled_gradients(
     loss_fn: LossFn = cross_entropy,
     microbatches: int = 1,
     traces: collections.Counter | None = None,
+    sharded: ShardedState | None = None,
+    in_program: bool = False,
 ) -> Callable:
-    """`gradients` as one XLA program; `traces["train_step"]` counts its traces."""
+    """`gradients` as one XLA program; `traces["train_step"]` counts its traces.
 
-    def forward_backward(batch):
+    With `sharded` state, the program reads the weights `sharded.weight_reads` gives: at the
+    "weights" level between programs it takes the gathered weights as a second argument
+    (`ShardedState.gather_weights`); `in_program` gathers and reduce-scatters inside it, for
+    a program of all replicas (see `ShardedState.weight_reads`).
+    """
+
+    def forward_backward(batch, *gathered):
         if traces is not None:
             traces["train_step"] += 1
-        return gradients(model, batch, loss_fn, microbatches)
+        reads = None
+        if sharded is not None:
+            reads = sharded.weight_reads(gathered[0] if gathered else None, in_program)
+        return gradients(model, batch, loss_fn, microbatches, reads)
 
     return tf.function(forward_backward, jit_compile=True)
+
+
+def gathers_between_programs(sharded: ShardedState | None, in_program: bool) -> bool:
+    """Whether a replica gathers every weight before its programs run (the "weights" level on
+    CPUs and GPUs)."""
+    return sharded is not None and sharded.level == "weights" and not in_program
 
 
 def apply_gradients(
@@ -158,15 +198,26 @@ def make_train_loop(
     clip_norm: float | None = None,
     microbatches: int = 1,
     traces: collections.Counter | None = None,
+    sharded: ShardedState | None = None,
 ) -> Callable[[object, tf.Tensor], tf.Tensor]:
     """A `tf.function(iterator, num_steps)` that runs `num_steps` steps and returns the sums
-    named by `TRAIN_SUMS` over them."""
+    named by `TRAIN_SUMS` over them. With `sharded` state, its update is the state's."""
+    in_program = runs_as_one_program(strategy)
 
     def replica_step(batch):
         # Created here, inside the replica function, so each replica traces its own program.
-        forward_backward = compiled_gradients(model, loss_fn, microbatches, traces)
-        (loss_sum, correct, count), grads = forward_backward(batch)
-        norm = apply_gradients(optimizer, model.trainable_variables, grads, count, clip_norm)
+        forward_backward = compiled_gradients(
+            model, loss_fn, microbatches, traces, sharded, in_program
+        )
+        if sharded is None:
+            (loss_sum, correct, count), grads = forward_backward(batch)
+            norm = apply_gradients(optimizer, model.trainable_variables, grads, count, clip_norm)
+            return loss_sum, correct, count, norm
+        (loss_sum, correct, count), grads = forward_backward(
+            *_step_args(batch, sharded, in_program)
+        )
+        reduced = sharded.reduces_in_program(in_program)
+        norm = sharded.apply(grads, count, clip_norm, reduced=reduced)
         return loss_sum, correct, count, norm
 
     def train_loop(iterator, num_steps):
@@ -180,15 +231,39 @@ def make_train_loop(
     return tf.function(train_loop)
 
 
+def _step_args(batch, sharded: ShardedState | None, in_program: bool) -> tuple:
+    """What a replica's program is called with: the batch, and the weights it gathered when it
+    gathers them before its programs (see `compiled_gradients`)."""
+    if gathers_between_programs(sharded, in_program):
+        return batch, sharded.gather_weights()
+    return (batch,)
+
+
+def runs_as_one_program(strategy: tf.distribute.Strategy) -> bool:
+    """Whether XLA compiles a replica's whole step as one program of all replicas, collectives
+    included (TPUs); elsewhere tf.distribute's collectives run between a step's programs."""
+    return isinstance(strategy, tf.distribute.TPUStrategy)
+
+
 def make_eval_loop(
-    strategy: tf.distribute.Strategy, model: keras.Model, *, loss_fn: LossFn = cross_entropy
+    strategy: tf.distribute.Strategy,
+    model: keras.Model,
+    *,
+    loss_fn: LossFn = cross_entropy,
+    sharded: ShardedState | None = None,
 ) -> Callable[[object], tf.Tensor]:
     """A `tf.function(dataset)` that returns the sums named by `EVAL_SUMS` over the dataset."""
+    in_program = runs_as_one_program(strategy)
+
+    def evaluate(batch, *gathered):
+        reads = WeightReads.unchanged(model)
+        if sharded is not None:
+            reads = sharded.weight_reads(gathered[0] if gathered else None, in_program)
+        with reads_redirected(reads):
+            return batch_sums(model, batch, loss_fn, training=False)
 
     def replica_step(batch):
-        return tf.function(
-            lambda b: batch_sums(model, b, loss_fn, training=False), jit_compile=True
-        )(batch)
+        return tf.function(evaluate, jit_compile=True)(*_step_args(batch, sharded, in_program))
 
     def eval_loop(dataset):
         totals = tf.zeros([len(EVAL_SUMS)])
@@ -236,12 +311,17 @@ def _sum(strategy: tf.distribute.Strategy, per_replica) -> tf.Tensor:
     return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
 
-def make_finite_check(variables: list) -> Callable[[], tf.Tensor]:
-    """A `tf.function()` telling whether every floating-point value of `variables` is finite:
-    one reduction on the device, cheap next to a step."""
+def make_finite_check(strategy: tf.distribute.Strategy, variables: list) -> Callable[[], tf.Tensor]:
+    """A `tf.function()` telling whether every floating-point value of `variables` is finite on
+    every replica (each replica checks its own copies, which differ for sharded state): one
+    reduction per device, cheap next to a step."""
     floating = [v for v in variables if tf.as_dtype(v.dtype).is_floating]
 
+    def replica_count():
+        finite = [tf.reduce_all(tf.math.is_finite(v)) for v in floating]
+        return tf.reduce_sum(tf.cast(tf.logical_not(tf.stack(finite)), tf.int32))
+
     def finite():
-        return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in floating]))
+        return tf.equal(_sum(strategy, strategy.run(replica_count)), 0)
 
     return tf.function(finite)

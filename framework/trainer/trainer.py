@@ -4,7 +4,10 @@ The same program runs on one CPU, on N logical CPUs, on a multi-GPU host and (wi
 set) on a TPU pod. The step (`train_step.py`) is one XLA program per replica; the host loop
 runs `steps_per_loop` steps in one `tf.function`, then the actions (`actions.py`: divergence
 check, summaries, progress, checkpoints, preemption, evaluation, and the user's own), which see
-the loop through `actions.Loop` rather than the trainer. The run's directory (lock,
+the loop through `actions.Loop` rather than the trainer. With `shard_state`, the weights'
+shards and the optimizer's state are a `shard.ShardedState`'s, and the model's own trainable
+weights are replicated copies (or, at the "weights" level, a copy on the host, written back
+after training and restores). The run's directory (lock,
 checkpoints, restore) is `framework.rundir`; what the run is told, checked and bound by gin as
 `Trainer.*`, is `settings.TrainerSettings`.
 """
@@ -22,7 +25,8 @@ import numpy as np
 import tensorflow as tf
 
 import framework.configurables  # noqa: F401  (registers the library's gin names)
-from framework import memory, remat
+from framework import memory, remat, shard
+from framework.core import tf_internals
 from framework.core.errors import TrainerError
 from framework.data import positions, sharding
 from framework.rundir.run_state import RunState
@@ -63,33 +67,46 @@ class Trainer:
 
         keras.utils.set_random_seed(s.seed)
         with self.strategy.scope():
-            self.model = s.model_fn()
+            with self._weights_placement():
+                self.model = s.model_fn()
             if s.remat_policy is not None:
                 blocks = remat.set_grad_checkpointing(self.model, policy=s.remat_policy)
                 logging.info("remat policy %s on %d blocks", s.remat_policy, len(blocks))
             self.optimizer, self.learning_rate_scale = optim.scheduled_optimizer(
-                s.optimizer_fn,
-                self.model.trainable_variables,
-                s.learning_rate,
-                s.warmup_steps,
-                s.train_steps,
-                s.weight_decay,
+                s.optimizer_fn, s.learning_rate, s.warmup_steps, s.train_steps, s.weight_decay
+            )
+        # The optimizer is built on the weights, or on their shards (`shard.ShardedState`).
+        self.sharded: shard.ShardedState | None = None
+        if s.shard_state == "none":
+            with self.strategy.scope():
+                self.optimizer.build(self.model.trainable_variables)
+        else:
+            self.sharded = shard.ShardedState(
+                s.shard_state, self.strategy, self.model, self.optimizer
             )
         data = getattr(getattr(s.dataset_fn, "func", s.dataset_fn), "__name__", "?")
         optimizer = type(self.optimizer).__name__.removeprefix("ReducedGradient")
         logging.info(
             f"run: model {self.model.name} ({self.model.count_params():,} parameters), data "
             f"{data}, global batch {s.global_batch_size}, remat {s.remat_policy or 'none'}, "
-            f"precision {self.runtime.precision}, {optimizer}"
+            f"sharded state {s.shard_state}, precision {self.runtime.precision}, {optimizer}"
         )
-        self._is_finite = train_step.make_finite_check(
-            self.model.variables + self.optimizer.variables
+        state = self.model.variables + self.optimizer.variables
+        if self.sharded is not None:
+            state = self.sharded.state_variables()
+        self._is_finite = train_step.make_finite_check(self.strategy, state)
+        loop_settings = dict(
+            loss_fn=s.loss_fn,
+            clip_norm=s.clip_norm,
+            microbatches=s.microbatches,
+            sharded=self.sharded,
         )
-        loop_settings = dict(loss_fn=s.loss_fn, clip_norm=s.clip_norm, microbatches=s.microbatches)
         self._train_loop = train_step.make_train_loop(
             self.strategy, self.model, self.optimizer, **loop_settings, traces=self.traces
         )
-        self._eval_loop = train_step.make_eval_loop(self.strategy, self.model, loss_fn=s.loss_fn)
+        self._eval_loop = train_step.make_eval_loop(
+            self.strategy, self.model, loss_fn=s.loss_fn, sharded=self.sharded
+        )
 
         # Where each step's batch begins in the training stream, for a dataset_fn whose stream a
         # step cannot address (packed text): saved with the checkpoints, so that a resumed run
@@ -110,10 +127,14 @@ class Trainer:
                 strategy=self.strategy,
                 keep=s.keep_checkpoints,
                 lease_seconds=s.lock_lease_seconds,
+                replaced=self.sharded.checkpoint_replacements() if self.sharded else {},
+                on_restore=self.sharded.write_model if self.sharded else None,
             )
         if s.init_checkpoint and not (self.run_state and self.run_state.restored):
             with self.strategy.scope():
                 warm_start.warm_start(self.model, s.init_checkpoint)
+            if self.sharded is not None:
+                self.sharded.read_model()
         elif s.init_checkpoint:
             logging.info("init_checkpoint not used: resuming from the run's own checkpoint")
         self.actions = (*actions_lib.built_in(model_dir, s), *s.actions, *extra_actions)
@@ -121,6 +142,13 @@ class Trainer:
         # writers make directories in model_dir) and gin records it.
         self._eval_dataset = self._dataset("eval")
         self.summaries = Summaries(model_dir if self.is_chief else None)
+
+    def _weights_placement(self):
+        """Where the model's trainable weights are made: at the "weights" shard level one copy
+        on the host (each replica's device holds shards only), else the strategy's way."""
+        if self.settings.shard_state != "weights":
+            return contextlib.nullcontext()
+        return tf_internals.trainable_variables_on(shard.host_of(self.strategy))
 
     @property
     def step(self) -> int:
@@ -187,15 +215,33 @@ class Trainer:
                 "must repeat forever (or hold at least train_steps batches)"
             ) from None
 
-    def compiled_step(self, global_batch_size: int | None = None):
-        """One replica's forward and backward pass as XLA compiles it, and a batch to call it
-        with (of `global_batch_size`, the run's by default): what `memory.compiled_bytes` reads
-        XLA's buffer assignment of."""
+    def compiled_step(
+        self,
+        global_batch_size: int | None = None,
+        planned: shard.ShardedState | None = None,
+        in_program: bool | None = None,
+    ) -> tuple:
+        """One replica's forward and backward pass as XLA compiles it, and the arguments to call
+        it with (a batch of `global_batch_size`, the run's by default; and at the "weights"
+        shard level on CPUs and GPUs the gathered weights): what `memory.compiled_bytes(fn,
+        *args)` reads XLA's buffer assignment of. `planned` is another sharded state to plan
+        the step of (the planner's, cut for a slice larger than this run's devices), and
+        `in_program` whether its collectives run inside the program (by default: on TPUs)."""
         s = self.settings
         batch_size = global_batch_size or s.global_batch_size
         per_replica = batch_size // self.strategy.num_replicas_in_sync
         batch = next(iter(s.dataset_fn("train", global_batch_size=per_replica)))
-        return train_step.compiled_gradients(self.model, s.loss_fn, s.microbatches), batch
+        sharded = planned or self.sharded
+        if in_program is None:
+            in_program = train_step.runs_as_one_program(self.strategy)
+        fn = train_step.compiled_gradients(
+            self.model, s.loss_fn, s.microbatches, sharded=sharded, in_program=in_program
+        )
+        if train_step.gathers_between_programs(sharded, in_program):
+            # The gathered weights are the whole weights: their values (here, the model's)
+            # do not change the program.
+            return fn, (batch, [tf.convert_to_tensor(v) for v in self.model.trainable_variables])
+        return fn, (batch,)
 
     def run_loop(self, iterator, num_steps: int) -> dict[str, float]:
         """Runs one host loop of `num_steps` steps; returns its metrics
@@ -251,7 +297,8 @@ class Trainer:
         if self.settings.count_flops and self.flops is None:
             replicas = self.strategy.num_replicas_in_sync
             peak = self.runtime.peak_flops_per_device(self.strategy)
-            self.flops = flops.count_step(self.model, self.compiled_step()[1][0], replicas, *peak)
+            batch = self.compiled_step()[1][0]
+            self.flops = flops.count_step(self.model, batch[0], replicas, *peak)
         iterator = self.train_iterator()
         metrics: dict[str, float] = {}
         loop = _LoopView(self)
@@ -267,6 +314,8 @@ class Trainer:
         if loop.stopped is not None:
             logging.info("stopped at step %d: %s", self.step, loop.stopped)
         self.save()  # the last step, whatever the checkpoint interval
+        if self.sharded is not None and self.sharded.level == "weights":
+            self.sharded.write_model()  # the model is current again where the run hands it on
         return metrics
 
     def train_and_evaluate(self) -> dict[str, float]:
@@ -287,6 +336,13 @@ class _LoopView(actions_lib.Loop):
         self._trainer = trainer
         self.rolled_back = False
         self.stopped: str | None = None
+
+    def _weights_placement(self):
+        """Where the model's trainable weights are made: at the "weights" shard level one copy
+        on the host (each replica's device holds shards only), else the strategy's way."""
+        if self.settings.shard_state != "weights":
+            return contextlib.nullcontext()
+        return tf_internals.trainable_variables_on(shard.host_of(self.strategy))
 
     @property
     def step(self) -> int:

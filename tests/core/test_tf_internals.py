@@ -184,6 +184,9 @@ _MIRRORED_SGD_STEP = """
         step()
         moved[optimizer_class.__name__] = -float(v.numpy())
     moved["replicas"] = strategy.num_replicas_in_sync
+    with strategy.scope(), tf_internals.trainable_variables_on("/cpu:0"):
+        weight, state = tf.Variable(1.0), tf.Variable(1, trainable=False)
+    moved["made"] = [type(weight).__name__, weight.device[-5:], type(state).__name__]
     print(json.dumps(moved))
 """
 
@@ -191,7 +194,10 @@ _MIRRORED_SGD_STEP = """
 @pytest.mark.tf_compat
 def test_gradients_already_reduced_are_applied_as_given_under_mirrored():
     moved = run_python(_MIRRORED_SGD_STEP)
-    assert moved == {"SGD": 1.0, "Given": 0.5, "replicas": 2}
+    # And under the strategy, a trainable variable made on the host is one plain variable there,
+    # the others still one per replica.
+    made = ["ResourceVariable", "CPU:0", "MirroredVariable"]
+    assert moved == {"SGD": 1.0, "Given": 0.5, "replicas": 2, "made": made}
 
 
 @pytest.mark.tf_compat
@@ -241,3 +247,44 @@ def test_keras_call_state_layer_path_masks_and_functional_graph():
     assert calls and tf_internals.functional_runner(model) is not None
     tf_internals.set_functional_runner(model, None)
     assert tf_internals.functional_runner(model) is None
+
+
+@pytest.mark.tf_compat
+def test_keras_reads_redirected_in_xla_with_gradients_and_seeds_advancing():
+    """Redirected reads compute with the given tensor and differentiate to it; other variables
+    (a dropout's seed state) read and advance as usual."""
+    dense = keras.layers.Dense(2, use_bias=False)
+    dense.build((None, 3))
+    dropout = keras.layers.Dropout(0.5, seed=1)
+    seed = dropout.seed_generator.state
+    before = seed.numpy().copy()
+    stand_in = tf.ones((3, 2))
+
+    @tf.function(jit_compile=True)
+    def step(x, kernel):
+        with tf.GradientTape() as tape:
+            tape.watch(kernel)
+            with tf_internals.keras_reads_redirected(
+                lambda v: kernel if v is dense.kernel else None
+            ):
+                y = tf.reduce_sum(dropout(dense(x), training=True))
+        return y, tape.gradient(y, kernel)
+
+    x = tf.ones((4, 3))
+    _, grad = step(x, stand_in)
+    assert grad.shape == (3, 2) and float(tf.reduce_sum(tf.abs(grad))) > 0
+    assert not np.array_equal(seed.numpy(), before)  # the seed advanced through the redirect
+    with tf_internals.keras_reads_redirected(lambda v: stand_in if v is dense.kernel else None):
+        np.testing.assert_array_equal(dense(x), 3.0)
+
+
+@pytest.mark.tf_compat
+def test_xla_collectives_lower_into_the_program_for_a_slice_of_replicas():
+    @tf.function(jit_compile=True)
+    def program(x):
+        summed = tf_internals.xla_all_reduce(x, 4)
+        return tf_internals.xla_reduce_scatter(summed, 4), tf_internals.xla_replica_id()
+
+    hlo = program.experimental_get_compiler_ir(tf.zeros([8]))(stage="hlo")
+    assert "all-reduce(" in hlo and "reduce-scatter(" in hlo and "replica-id(" in hlo
+    assert "replica_groups={{0,1,2,3}}" in hlo

@@ -76,7 +76,7 @@ def test_nothing_fits_names_the_smallest_and_how_far_over(tight_plan):
     result, _, plan_json = tight_plan
     none, full = measurements(plan_json)
     lines = result.stdout.splitlines()
-    assert lines[0].split()[:3] == ["policy", "batch", "peak"]
+    assert lines[0].split()[:4] == ["policy", "shard", "batch", "peak"]
     assert any(line.startswith("none ") for line in lines)
     assert any(line.startswith("nothing_saveable ") for line in lines)
     verdict = next(line for line in lines if line.startswith("nothing fits"))
@@ -273,6 +273,37 @@ def test_a_tpu_target_plans_every_setting_with_the_tpu_compiler(tmp_path):
         assert m.peak_flops == 197e12 and m.compiled_step_bytes > m.state_bytes > 0
     assert full.step_flops > none.step_flops > 0  # the recomputation, as the compiler counts
     assert "planned by TPU v5e (libtpu " in result.stdout
+
+
+def test_a_tpu_slice_plans_every_shard_level_per_chip(tmp_path):
+    """--target=v5e-8 --shard_states=...: each level keeps less per chip than the one before;
+    the one-program levels ("gradients", "weights") are compiled for all 8 chips, collectives
+    inside; the lowest level that fits is picked (they move more bytes than FLOPs show)."""
+    result = run_module(
+        "framework.planner",
+        *TINY,
+        "--policies=nothing_saveable",
+        "--target=v5e-8",
+        "--shard_states=none,optimizer,gradients,weights",
+        "--search_budget=false",
+        "--compile_processes=1",
+        f"--model_dir={tmp_path}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan_json = json.loads((tmp_path / "plan.json").read_text())
+    found = measurements(plan_json)
+    assert [m.shard_state for m in found] == ["none", "optimizer", "gradients", "weights"]
+    assert all(m.ok and m.batch_size == 64 for m in found), found
+    planned = [m.compiled_step_bytes for m in found]
+    assert planned == sorted(planned, reverse=True) and len(set(planned)) == 4, planned
+    chips = [m.compiler.startswith("TPU v5e, one of 8 chips") for m in found]
+    assert chips == [False, False, True, True], [m.compiler for m in found]
+    assert plan_json["pick"] == {
+        "policy": "nothing_saveable",
+        "batch_size": 64,
+        "shard_state": "none",
+    }
+    assert "weights" in result.stdout.splitlines()[5]  # the table's shard column
 
 
 def test_a_tpu_targets_budget_defaults_to_its_hbm_and_nothing_is_left_out(tmp_path):
