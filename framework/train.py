@@ -14,8 +14,8 @@ the run N steps, without a model directory, and says whether and where they diff
 (`framework.trainer.determinism`).
 
 `Trainer.remat_policy = "auto"` with `--memory_budget` runs the planner (`framework.planner`) first,
-over `--policies` (and `--shard_states`) at the config's batch size, and trains with its pick. The binary resolves "auto":
-the Trainer and the remat library only ever see a real policy.
+over `--policies` (and `--shard_states`) at the config's batch size, and trains with its pick. The
+binary resolves "auto": the Trainer and the remat library only ever see a real policy.
 """
 
 from __future__ import annotations

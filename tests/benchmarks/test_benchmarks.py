@@ -180,6 +180,19 @@ def test_profile_step_quick():
     assert all(t > 0 for t in rows["step wall time, profiled"]), proc.stdout
 
 
+def test_shard_levels_quick(tmp_path):
+    out = tmp_path / "shard_levels.md"
+    run_benchmark("shard_levels.py", "--quick", "--replicas=2", f"--out={out}", timeout=600)
+    report = out.read_text()
+    assert report.startswith("Command: `python benchmarks/shard_levels.py --quick")
+    rows = _rows_by_first_cell(report, 7)
+    levels = [r for r in rows if r.startswith("`")]
+    assert levels == ["`none`", "`optimizer`", "`gradients`", "`weights`"], report
+    assert rows["`none`"][2] == "1.00" and float(rows["`weights`"][1]) > 0
+    # Unsharded, no all-gather; sharded, one, and less optimizer state kept per replica.
+    assert rows["`none`"][4] == "0 B" and rows["`weights`"][4] != "0 B", report
+
+
 def test_scan_layers_quick(tmp_path):
     out = tmp_path / "scan_layers.md"
     run_benchmark("scan_layers.py", "--quick", f"--out={out}", "--steps=1", "--depths=2")
