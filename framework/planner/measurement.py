@@ -293,7 +293,7 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
             peak = chip.peak_flops
     yield READY
 
-    @functools.cache
+    @functools.lru_cache(maxsize=1)  # jobs come level by level: one level's state at a time
     def sharded(level: str) -> shard.ShardedState | None:
         if level == "none":
             return None

@@ -24,6 +24,10 @@ zero tied to the pass: to the region's inputs in the forward pass (else XLA draw
 random bits at the start of the step and keeps them alive), to the upstream gradient in the
 recomputation (else XLA merges the recomputed draw with the forward one). The values of the seeds
 themselves come back through the variable snapshots taken by `checkpoint` (see effects.py).
+Reads of floating-point variables at the top level are tied to the same zero, for the same two
+reasons: what is computed from a weight alone (its bfloat16 cast, its gather from other
+replicas' shards) would otherwise be hoisted to the start of the step and merged with the
+forward pass's, and live across the whole step.
 """
 
 from __future__ import annotations
@@ -429,8 +433,22 @@ class Region:
         site = _Site(tf_internals.keras_layer_path()[self._depth :], context, state.autocast)
         if self._mode == "record":
             self._record(info, site, op, outputs)
-            return None
+            return self._tied_read(op, outputs)
         return self._replay(info, site, op, outputs)
+
+    def _tied_read(self, op: tf.Operation, outputs) -> tuple[tf.Tensor, ...] | None:
+        """For a read of a floating-point variable: its value plus the pass's zero (else None,
+        the outputs unchanged). What is computed from a weight alone - its cast to bfloat16,
+        its gather from the shards of the other replicas - would otherwise be free to run
+        anywhere: XLA hoists it to the start of the step and merges the recomputation's with
+        the forward pass's, so every block's copy lives across the whole step (a bfloat16
+        copy of the weights under mixed precision; with sharded weights, every gathered
+        weight, gathered in one combined collective)."""
+        if op.type != "ReadVariableOp" or not all(t.dtype.is_floating for t in outputs):
+            return None
+        with op.graph.as_default(), tf_internals.stop_recording():
+            dep = in_graph(self._dep, op.graph)
+            return tuple(with_dep(t, dep) for t in outputs)
 
     def _is_constant(self, t: tf.Tensor) -> bool:
         return t.op.type == "Const" or t.ref() in self._constant
@@ -511,9 +529,9 @@ class Region:
                 f"op #{index}: forward built {_describe(expected)} {entry.site}, recomputation "
                 f"built {_describe(info)} {site}."
             )
-        if entry.kept is None:
-            return None
         graph = op.graph
+        if entry.kept is None:
+            return self._tied_read(op, outputs)
         with graph.as_default(), tf_internals.stop_recording():
             dep = in_graph(self._dep, graph)
             kept = [with_dep(in_graph(k, graph), dep) for k in entry.kept]

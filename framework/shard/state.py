@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import keras
@@ -80,6 +81,7 @@ class ShardedState:
         self.replicas = replicas or strategy.num_replicas_in_sync
         self.weights = ShardedVariables(strategy, model.trainable_variables, self.replicas)
         slot_layouts = build_on_shards(optimizer, self.weights)
+        self._slot_layouts = slot_layouts
         self._index = {id(v): j for j, v in enumerate(self.weights.variables)}
         # What checkpoints save whole: each weight's shards, then each slot.
         slots = [v for v in optimizer.variables if id(v) in slot_layouts]
@@ -187,6 +189,15 @@ class ShardedState:
         tf.distribute.get_replica_context().merge_call(assign, args=(values,))
 
     # --- outside the step ----------------------------------------------------------------
+
+    def unsharded_optimizer_bytes(self) -> int:
+        """The bytes of the optimizer's state were it not sharded (what every replica keeps at
+        the "none" level), counted from the slots' layouts without building it whole."""
+        return sum(
+            (self._slot_layouts[id(v)].size if id(v) in self._slot_layouts else math.prod(v.shape))
+            * tf.as_dtype(v.dtype).size
+            for v in self.optimizer.variables
+        )
 
     def state_variables(self) -> list[keras.Variable]:
         """The variables that hold the training state: the shards, the optimizer's variables

@@ -40,14 +40,16 @@ def _table_rows(text: str, model: str) -> dict[str, list[str]]:
     return rows
 
 
+def _table_cells(text: str, width: int) -> list[list[str]]:
+    """Rows of the markdown table with `width` columns, in order, as lists of cells."""
+    lines = text.splitlines()
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines]
+    return [cells for cells in rows if len(cells) == width]
+
+
 def _rows_by_first_cell(text: str, width: int) -> dict[str, list[str]]:
     """Rows of the markdown table with `width` columns, keyed by their first cell."""
-    rows = {}
-    for line in text.splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) == width:
-            rows[cells[0]] = cells
-    return rows
+    return {cells[0]: cells for cells in _table_cells(text, width)}
 
 
 def test_remat_policies_quick(tmp_path):
@@ -191,6 +193,24 @@ def test_shard_levels_quick(tmp_path):
     assert rows["`none`"][2] == "1.00" and float(rows["`weights`"][1]) > 0
     # Unsharded, no all-gather; sharded, one, and less optimizer state kept per replica.
     assert rows["`none`"][4] == "0 B" and rows["`weights`"][4] != "0 B", report
+
+
+def test_shard_plans_quick(tmp_path):
+    out = tmp_path / "shard_plans.md"
+    run_benchmark(
+        "shard_plans.py", "--quick", "--policies=nothing_saveable", f"--out={out}", timeout=600
+    )
+    report = out.read_text()
+    assert "libtpu's compiler (compile-only) for v5e-8" in report, report
+    rows = {r[1]: r for r in _table_cells(report, 8) if r[1].startswith("`")}
+    assert list(rows) == ["`none`", "`optimizer`", "`gradients`", "`weights`"], report
+    kept = {level: float(row[5]) for level, row in rows.items()}
+    program = {level: float(row[4].split()[0]) for level, row in rows.items()}
+    # AdamW's two slots whole, against an eighth of them (plus the weights' shards); the
+    # "weights" program takes shards where the others take whole weights.
+    assert kept["`none`"] > 4 * kept["`optimizer`"] > 4 * kept["`weights`"], report
+    assert program["`weights`"] < program["`gradients`"] and program["`none`"] > 0, report
+    assert all(row[7] == "yes" for row in rows.values()), report
 
 
 def test_scan_layers_quick(tmp_path):
