@@ -528,6 +528,18 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     plt.close(figure)
 
 
+def report_header(script: str, started: datetime.datetime) -> list[str]:
+    """The lines a report opens with: the command that ran `script`, when it started and how
+    long it took, and the machine."""
+    command = "python " + " ".join([os.path.relpath(script, REPO_DIR), *sys.argv[1:]])
+    minutes = (datetime.datetime.now() - started).total_seconds() / 60
+    return [
+        f"Command: `{command}`",
+        f"Date: {started:%Y-%m-%d %H:%M}, took {minutes:.1f} min",
+        f"Machine: {machine()}",
+    ]
+
+
 def machine() -> str:
     """nproc, CPU model, Python, TensorFlow and Keras versions: what the numbers depend on."""
     cpu = platform.processor() or "unknown CPU"
@@ -552,13 +564,7 @@ def format_report(
     compile_only: bool = False,
 ) -> str:
     """The whole report: how it was run and on what, the table, and the targets."""
-    command = "python " + " ".join([os.path.relpath(__file__, REPO_DIR), *sys.argv[1:]])
-    minutes = (datetime.datetime.now() - started).total_seconds() / 60
-    header = [
-        f"Command: `{command}`",
-        f"Date: {started:%Y-%m-%d %H:%M}, took {minutes:.1f} min",
-        f"Machine: {machine()}",
-    ]
+    header = report_header(__file__, started)
     tpu_table = []
     if compile_only or any("tpu_temp_bytes" in r or "tpu_error" in r for r in results):
         tpu_table = [

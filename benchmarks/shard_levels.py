@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 
-from remat_policies import REPO_DIR, machine, write_report
+from remat_policies import report_header, write_report
 
 LEVELS = ("none", "optimizer", "gradients", "weights")
 
@@ -143,13 +143,9 @@ def measure(args: argparse.Namespace) -> tuple[list[dict], str]:
 
 
 def format_report(rows: list[dict], model: str, args: argparse.Namespace, started) -> str:
-    command = "python " + " ".join([os.path.relpath(__file__, REPO_DIR), *sys.argv[1:]])
-    minutes = (datetime.datetime.now() - started).total_seconds() / 60
     lines = [
-        f"Command: `{command}`",
-        f"Date: {started:%Y-%m-%d %H:%M}, took {minutes:.1f} min, load average "
-        f"{os.getloadavg()[0]:.1f}",
-        f"Machine: {machine()}",
+        *report_header(__file__, started),
+        f"Load average at the end: {os.getloadavg()[0]:.1f}",
         f"Model: {model} (dropout 0.1, AdamW, float32) on {args.replicas} logical CPU devices; "
         f"each level's step is the median of {1 if args.quick else args.rounds} loops of "
         f"{args.steps} steps, the levels timed in turns.",

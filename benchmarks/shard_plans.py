@@ -29,11 +29,10 @@ import argparse
 import datetime
 import itertools
 import json
-import os
 import re
 import sys
 
-from remat_policies import REPO_DIR, child_json, machine, write_report
+from remat_policies import child_json, report_header, write_report
 
 # Decoder sizes (width, blocks, heads, MLP width), each with a 32 k vocabulary by default.
 SIZES = {
@@ -146,12 +145,8 @@ def format_report(args: argparse.Namespace, results: dict[str, dict], started) -
 
     usable = V5E_USABLE_GIB * 2**30 if args.target.startswith("v5e") else None
     usable = usable or tpu.tpu_chip(args.target).hbm_bytes
-    command = "python " + " ".join([os.path.relpath(__file__, REPO_DIR), *sys.argv[1:]])
-    minutes = (datetime.datetime.now() - started).total_seconds() / 60
     lines = [
-        f"Command: `{command}`",
-        f"Date: {started:%Y-%m-%d %H:%M}, took {minutes:.1f} min",
-        f"Machine: {machine()}",
+        *report_header(__file__, started),
         f"Planned by: libtpu's compiler (compile-only) for {args.target}, one chip's plan of "
         f"the program of all {tpu.tpu_devices(args.target)} chips. Decoder LMs at sequence "
         f"{args.sequence}, vocabulary {args.vocab}, dropout 0.1, AdamW in float32, the remat "

@@ -28,6 +28,7 @@ from framework.remat.replay import (
     RecomputationMismatchError,
     RematError,
     UnreplayableRandomOpError,
+    tied_to_pass,
 )
 from framework.remat.residuals import Residual, print_saved_residuals, saved_residuals
 from framework.remat.scan import scan
@@ -51,5 +52,6 @@ __all__ = [
     "scan",
     "segments",
     "set_grad_checkpointing",
+    "tied_to_pass",
     "without_checkpoint_names",
 ]

@@ -24,10 +24,6 @@ zero tied to the pass: to the region's inputs in the forward pass (else XLA draw
 random bits at the start of the step and keeps them alive), to the upstream gradient in the
 recomputation (else XLA merges the recomputed draw with the forward one). The values of the seeds
 themselves come back through the variable snapshots taken by `checkpoint` (see effects.py).
-Reads of floating-point variables at the top level are tied to the same zero, for the same two
-reasons: what is computed from a weight alone (its bfloat16 cast, its gather from other
-replicas' shards) would otherwise be hoisted to the start of the step and merged with the
-forward pass's, and live across the whole step.
 """
 
 from __future__ import annotations
@@ -97,6 +93,21 @@ def _stack() -> list[Region]:
 def in_region() -> bool:
     """True while this thread records or replays a region (nested checkpoints must stay active)."""
     return bool(_stack())
+
+
+def tied_to_pass(t: tf.Tensor) -> tf.Tensor:
+    """`t`, not computable before the innermost checkpointed region's pass starts: plus its zero
+    (the inputs' in the forward pass, the upstream gradient's in the recomputation); outside
+    checkpointed regions, `t` itself.
+
+    For a value computed from a variable alone, such as a weight gathered from the shards of the
+    other replicas: XLA would otherwise hoist it to the start of the step, merge the
+    recomputation's with the forward pass's, and keep it for the whole step.
+    """
+    stack = _stack()
+    if not stack or stack[-1]._mode is None:
+        return t
+    return with_dep(t, in_graph(stack[-1]._dep, tf.compat.v1.get_default_graph()))
 
 
 def pending_tag() -> str | None:
@@ -433,22 +444,8 @@ class Region:
         site = _Site(tf_internals.keras_layer_path()[self._depth :], context, state.autocast)
         if self._mode == "record":
             self._record(info, site, op, outputs)
-            return self._tied_read(op, outputs)
-        return self._replay(info, site, op, outputs)
-
-    def _tied_read(self, op: tf.Operation, outputs) -> tuple[tf.Tensor, ...] | None:
-        """For a read of a floating-point variable: its value plus the pass's zero (else None,
-        the outputs unchanged). What is computed from a weight alone - its cast to bfloat16,
-        its gather from the shards of the other replicas - would otherwise be free to run
-        anywhere: XLA hoists it to the start of the step and merges the recomputation's with
-        the forward pass's, so every block's copy lives across the whole step (a bfloat16
-        copy of the weights under mixed precision; with sharded weights, every gathered
-        weight, gathered in one combined collective)."""
-        if op.type != "ReadVariableOp" or not all(t.dtype.is_floating for t in outputs):
             return None
-        with op.graph.as_default(), tf_internals.stop_recording():
-            dep = in_graph(self._dep, op.graph)
-            return tuple(with_dep(t, dep) for t in outputs)
+        return self._replay(info, site, op, outputs)
 
     def _is_constant(self, t: tf.Tensor) -> bool:
         return t.op.type == "Const" or t.ref() in self._constant
@@ -529,9 +526,9 @@ class Region:
                 f"op #{index}: forward built {_describe(expected)} {entry.site}, recomputation "
                 f"built {_describe(info)} {site}."
             )
-        graph = op.graph
         if entry.kept is None:
-            return self._tied_read(op, outputs)
+            return None
+        graph = op.graph
         with graph.as_default(), tf_internals.stop_recording():
             dep = in_graph(self._dep, graph)
             kept = [with_dep(in_graph(k, graph), dep) for k in entry.kept]

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
+from framework import remat
 from framework.core import tf_internals
 from framework.shard.checkpoint import WholeValue
 from framework.shard.collectives import ReplicaCollectives, XlaCollectives
@@ -137,7 +138,9 @@ class ShardedState:
                 return None
             layout, shard = self.layouts[j], self.shards[j].value
             if self.level == "weights":
-                (whole,) = collectives.all_gather([shard])
+                # Gathered where the block runs, and again in its recomputation (see
+                # `remat.tied_to_pass`).
+                (whole,) = collectives.all_gather([remat.tied_to_pass(shard)])
                 return layout.whole(whole)
             return _replicated_read(replicated[j], shard, layout, collectives)
 

@@ -276,9 +276,12 @@ def test_a_tpu_target_plans_every_setting_with_the_tpu_compiler(tmp_path):
 
 
 def test_a_tpu_slice_plans_every_shard_level_per_chip(tmp_path):
-    """--target=v5e-8 --shard_states=...: each level keeps less per chip than the one before;
-    the one-program levels ("gradients", "weights") are compiled for all 8 chips, collectives
-    inside; the lowest level that fits is picked (they move more bytes than FLOPs show)."""
+    """--target=v5e-8 --shard_states=...: up to "gradients" each level keeps less per chip than
+    the one before; the one-program levels ("gradients", "weights") are compiled for all 8
+    chips, collectives inside; the lowest level that fits is picked (they move more bytes than
+    FLOPs show). On this tiny ViT the "weights" level's gather buffers outweigh the whole
+    weights it no longer takes: its gain needs weights large next to a block's working set
+    (the decoders of benchmarks/results/shard_plans.md)."""
     result = run_module(
         "framework.planner",
         *TINY,
@@ -295,7 +298,9 @@ def test_a_tpu_slice_plans_every_shard_level_per_chip(tmp_path):
     assert [m.shard_state for m in found] == ["none", "optimizer", "gradients", "weights"]
     assert all(m.ok and m.batch_size == 64 for m in found), found
     planned = [m.compiled_step_bytes for m in found]
-    assert planned == sorted(planned, reverse=True) and len(set(planned)) == 4, planned
+    assert planned[0] > planned[1] > planned[2] and planned[3] < planned[0], planned
+    kept = [m.state_bytes for m in found]
+    assert kept[0] > kept[1] > kept[2] == kept[3], kept
     chips = [m.compiler.startswith("TPU v5e, one of 8 chips") for m in found]
     assert chips == [False, False, True, True], [m.compiler for m in found]
     assert plan_json["pick"] == {

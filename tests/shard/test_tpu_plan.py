@@ -4,10 +4,10 @@ so a chip never holds every block's gathered weights at once.
 
 XLA is free to move a gather that depends on nothing but the step's inputs: it hoists it to
 the start of the step, merges the recomputation's with the forward pass's and combines the
-gathers of all blocks into one collective; remat ties every weight read in a checkpointed block
-to its pass so that it cannot. The depth of a decoder whose activations are small next to its
-weights (one 128-token sequence per chip) shows which one the compiler did: each added block
-adds its working set, not its gathered weights for the whole step.
+gathers of all blocks into one collective; each gather is tied to its block's pass
+(`remat.tied_to_pass`) so that it cannot. The depth of a decoder whose activations are small
+next to its weights (one 128-token sequence per chip) shows which one the compiler did: each
+added block adds its working set, not its gathered weights for the whole step.
 """
 
 import keras
