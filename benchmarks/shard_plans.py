@@ -26,6 +26,7 @@ host's memory for a figure the shapes give.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import itertools
 import json
@@ -74,6 +75,7 @@ def plan_program(args: argparse.Namespace, size: str, program: str) -> dict:
     import tensorflow as tf
 
     from framework import remat, shard
+    from framework.core import tf_internals
     from framework.memory import tpu
     from framework.models.language import DecoderLM
     from framework.planner.measurement import kept_bytes
@@ -81,7 +83,13 @@ def plan_program(args: argparse.Namespace, size: str, program: str) -> dict:
 
     chip, chips = tpu.tpu_chip(args.target), tpu.tpu_devices(args.target)
     keras.utils.set_random_seed(0)
-    model = DecoderLM(vocab_size=args.vocab, max_length=args.sequence, dropout=0.1, **SIZES[size])
+    # The "weights" program reads the weights' shards alone: the model needs no storage for its
+    # own, so a decoder larger than this host's memory is planned (its shards are 1/chips).
+    storage = tf_internals.trainable_weights_without_storage if program == "weights" else None
+    with storage() if storage else contextlib.nullcontext():
+        model = DecoderLM(
+            vocab_size=args.vocab, max_length=args.sequence, dropout=0.1, **SIZES[size]
+        )
     plans: dict[tuple[str, str, int], dict] = {}
     rows = []
     for level in [level for level in args.levels.split(",") if PROGRAMS[level] == program]:

@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import tensorflow as tf
 
@@ -176,6 +176,26 @@ def trainable_variables_on(device: str) -> contextlib.AbstractContextManager:
         return next_creator(**kwargs)
 
     return tf.variable_creator_scope(create)
+
+
+@contextlib.contextmanager
+def trainable_weights_without_storage() -> Iterator[None]:
+    """Keras variables created in the block: trainable ones get a shape and a dtype but never
+    storage (Keras' deferred initialization, left undone), the others their values at the end.
+    For compile-only plans of a program that never reads the trainable weights themselves (at
+    the "weights" shard level it reads their shards): a model larger than this host's memory can
+    be planned. Reading such a weight computes its initializer anew, so nothing may train it."""
+    import keras
+    from keras.src.backend.common import global_state
+
+    before = len(global_state.get_global_attribute("uninitialized_variables") or [])
+    with keras.StatelessScope(initialize_variables=False):
+        yield
+    pending = global_state.get_global_attribute("uninitialized_variables") or []
+    global_state.set_global_attribute("uninitialized_variables", pending[:before])
+    for variable in pending[before:]:
+        if not variable.trainable:
+            variable._deferred_initialize()
 
 
 @contextlib.contextmanager

@@ -41,9 +41,10 @@ class Layout:
         return tf.pad(flat, [[0, self.padded_size - self.size]])
 
     def shard(self, value: tf.Tensor, index: int | tf.Tensor) -> tf.Tensor:
-        """Shard `index` (a replica) of `value`: [shard_size]."""
-        start = tf.cast(index, tf.int32) * self.shard_size
-        return tf.slice(self.padded(value), [start], [self.shard_size])
+        """Shard `index` (a replica) of `value`: [shard_size], in a buffer of its own (a slice
+        could share `value`'s, and a variable assigned it would keep the whole value alive)."""
+        rows = tf.reshape(self.padded(value), [self.replicas, self.shard_size])
+        return tf.gather(rows, tf.cast(index, tf.int32))
 
     def whole(self, gathered: tf.Tensor) -> tf.Tensor:
         """The variable's value of `shape` from its shards gathered in replica order."""
