@@ -2,8 +2,9 @@
 compiler for that slice: decoder language models at a long sequence, and the largest that fits.
 
 For each decoder size a fresh process builds the model once on this host (nothing runs) and, for
-each level of `Trainer.shard_state` and each batch per chip, compiles the forward and backward
-pass as the trainer's replica step runs it on a TPU, with libtpu for every chip of the slice:
+each level of `Trainer.shard_state` and each batch per chip, writes out the forward and backward
+pass as the trainer's replica step runs it on a TPU; another process compiles each with libtpu
+for every chip of the slice (a large decoder's compilation needs the host's memory to itself):
 at "gradients" and "weights" one program of all the slice's chips, each weight gathered where a
 layer reads it and its gradient reduce-scattered inside it; at "none" and "optimizer" the same
 pass on whole weights, its gradients whole (those two levels share the program). Per chip:
@@ -30,15 +31,19 @@ import contextlib
 import datetime
 import itertools
 import json
+import os
 import re
 import sys
+import tempfile
 
 from remat_policies import child_json, report_header, write_report
 
 # Decoder sizes (width, blocks, heads, MLP width), each with a 32 k vocabulary by default.
 SIZES = {
     "tiny": dict(dim=64, depth=2, num_heads=4, mlp_dim=256),
+    "0.7b": dict(dim=1536, depth=24, num_heads=16, mlp_dim=6144),
     "1b": dict(dim=2048, depth=18, num_heads=16, mlp_dim=8192),  # configs/models/decoder_1b.gin
+    "1.3b": dict(dim=2048, depth=24, num_heads=16, mlp_dim=8192),
     "2b": dict(dim=2560, depth=24, num_heads=20, mlp_dim=10240),
     "2.6b": dict(dim=2560, depth=32, num_heads=20, mlp_dim=10240),
     "3.4b": dict(dim=2560, depth=42, num_heads=20, mlp_dim=10240),
@@ -65,12 +70,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a tiny decoder: a smoke test")
     parser.add_argument("--out", help="also write the report to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--hlo_dir", help=argparse.SUPPRESS)
+    parser.add_argument("--compile", help=argparse.SUPPRESS)
+    parser.add_argument("--replicas", type=int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
-def plan_program(args: argparse.Namespace, size: str, program: str) -> dict:
+def write_programs(args: argparse.Namespace, size: str, program: str) -> dict:
     """Every (level, policy, batch) of one decoder size whose step compiles `program` (see
-    `PROGRAMS`); run in a process of its own, which frees all it held when it ends."""
+    `PROGRAMS`), each program's HLO written into `args.hlo_dir`; run in a process of its own,
+    which frees all it held when it ends."""
     import keras
     import tensorflow as tf
 
@@ -81,7 +90,7 @@ def plan_program(args: argparse.Namespace, size: str, program: str) -> dict:
     from framework.planner.measurement import kept_bytes
     from framework.trainer import optim, train_step
 
-    chip, chips = tpu.tpu_chip(args.target), tpu.tpu_devices(args.target)
+    chips = tpu.tpu_devices(args.target)
     keras.utils.set_random_seed(0)
     # The "weights" program reads the weights' shards alone: the model needs no storage for its
     # own, so a decoder larger than this host's memory is planned (its shards are 1/chips).
@@ -90,7 +99,7 @@ def plan_program(args: argparse.Namespace, size: str, program: str) -> dict:
         model = DecoderLM(
             vocab_size=args.vocab, max_length=args.sequence, dropout=0.1, **SIZES[size]
         )
-    plans: dict[tuple[str, str, int], dict] = {}
+    programs: dict[tuple[str, str, int], str] = {}
     rows = []
     for level in [level for level in args.levels.split(",") if PROGRAMS[level] == program]:
         # Every level's state is cut for the slice, "none" too: its optimizer's whole size is
@@ -112,7 +121,7 @@ def plan_program(args: argparse.Namespace, size: str, program: str) -> dict:
             args.policies.split(","), map(int, args.batches.split(","))
         ):
             key = (policy, PROGRAMS[level], batch)
-            if key not in plans:
+            if key not in programs:
                 remat.set_grad_checkpointing(model, policy=policy)
                 tokens = tf.zeros([batch, args.sequence], tf.int32)
                 features = {"tokens": tokens, "segment_ids": tokens + 1, "positions": tokens}
@@ -120,21 +129,52 @@ def plan_program(args: argparse.Namespace, size: str, program: str) -> dict:
                     model, sharded=state if in_program else None, in_program=in_program
                 )
                 hlo = step.experimental_get_compiler_ir((features, tokens))(stage="hlo_serialized")
-                plans[key] = _plan(hlo, chip, chips if in_program else 1)
+                programs[key] = os.path.join(args.hlo_dir, f"{size}-{'-'.join(map(str, key))}.pb")
+                with open(programs[key], "wb") as f:
+                    f.write(hlo)
             rows.append(
-                {"level": level, "policy": policy, "batch": batch, "kept": kept, **plans[key]}
+                {
+                    "level": level,
+                    "policy": policy,
+                    "batch": batch,
+                    "kept": kept,
+                    "hlo": programs[key],
+                    "replicas": chips if in_program else 1,
+                }
             )
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         del state, optimizer
     return {"parameters": model.count_params(), "rows": rows}
 
 
-def _plan(hlo: bytes, chip, replicas: int) -> dict:
-    """libtpu's plan of one chip's program, or its refusal."""
+def plan_rows(
+    argv: list[str], size: str, program: str, levels: list[str], hlo_dir: str
+) -> tuple[int | None, list[dict]]:
+    """The parameters and rows of one decoder size's levels that compile `program`: one process
+    writes their programs, then each program is compiled in a process of its own."""
+    child = [*argv, f"--child={size}:{program}", f"--hlo_dir={hlo_dir}"]
+    result = child_json(__file__, child, {})
+    if "error" in result:  # the process died: its levels' rows say how
+        died = [level for level in levels if PROGRAMS[level] == program]
+        return None, [{"level": level, "error": result["error"]} for level in died]
+    plans: dict[str, dict] = {}
+    for row in result["rows"]:
+        hlo, replicas = row.pop("hlo"), row.pop("replicas")
+        if hlo not in plans:
+            compile_args = [*argv, f"--compile={hlo}", f"--replicas={replicas}"]
+            plans[hlo] = child_json(__file__, compile_args, {})
+        row.update(plans[hlo])
+        print(json.dumps({"size": size, **row}), file=sys.stderr, flush=True)
+    return result["parameters"], result["rows"]
+
+
+def plan_program(args: argparse.Namespace) -> dict:
+    """libtpu's plan of one chip's program (the HLO file `args.compile`), or its refusal."""
     from framework.memory import tpu
 
+    with open(args.compile, "rb") as f:
+        hlo = f.read()
     try:
-        plan = tpu.compile_for_chip(hlo, chip, replicas=replicas)
+        plan = tpu.compile_for_chip(hlo, tpu.tpu_chip(args.target), replicas=args.replicas)
     except Exception as error:  # noqa: BLE001 (the compiler's refusal is a result)
         found = TOO_LARGE.search(str(error))
         if not found:
@@ -193,20 +233,21 @@ def main(argv: list[str]) -> None:
     if args.quick:
         args.sizes, args.batches, args.sequence, args.vocab = "tiny", "2", 64, 512
     if args.child:
-        print(json.dumps(plan_program(args, *args.child.split(":"))))
+        print(json.dumps(write_programs(args, *args.child.split(":"))))
+        return
+    if args.compile:
+        print(json.dumps(plan_program(args)))
         return
     started = datetime.datetime.now()
     levels = args.levels.split(",")
     results: dict[str, dict] = {}
-    for size in args.sizes.split(","):
-        merged = results[size] = {"parameters": None, "rows": []}
-        for program in dict.fromkeys(PROGRAMS[level] for level in levels):
-            result = child_json(__file__, [*argv, f"--child={size}:{program}"], {})
-            if "error" in result:  # the process died: its levels' rows say how
-                died = [level for level in levels if PROGRAMS[level] == program]
-                result["rows"] = [{"level": level, "error": result["error"]} for level in died]
-            merged["rows"] += result["rows"]
-            merged["parameters"] = result.get("parameters") or merged["parameters"]
+    with tempfile.TemporaryDirectory() as hlo_dir:
+        for size in args.sizes.split(","):
+            merged = results[size] = {"parameters": None, "rows": []}
+            for program in dict.fromkeys(PROGRAMS[level] for level in levels):
+                parameters, rows = plan_rows(argv, size, program, levels, hlo_dir)
+                merged["rows"] += rows
+                merged["parameters"] = merged["parameters"] or parameters
     write_report(format_report(args, results, started), args.out)
 
 
