@@ -9,7 +9,8 @@ at "gradients" and "weights" one program of all the slice's chips, each weight g
 layer reads it and its gradient reduce-scattered inside it; at "none" and "optimizer" the same
 pass on whole weights, its gradients whole (those two levels share the program). Per chip:
 
-- program: the compiler's plan (parameters, outputs, temporaries and code, all in HBM);
+- program: the compiler's plan (parameters, outputs, temporaries and the compiled code, all in
+  HBM; a program of unrolled blocks holds each block's code);
 - kept: what lives beside the program between steps: the optimizer's state (whole, or its
   shards) and the weights' shards when the program does not take them;
 - total = program + kept, against the HBM libtpu lets a v5e program use (15.75 GiB).
@@ -41,6 +42,7 @@ from remat_policies import child_json, report_header, write_report
 # Decoder sizes (width, blocks, heads, MLP width), each with a 32 k vocabulary by default.
 SIZES = {
     "tiny": dict(dim=64, depth=2, num_heads=4, mlp_dim=256),
+    "0.35b": dict(dim=1024, depth=24, num_heads=16, mlp_dim=4096),
     "0.7b": dict(dim=1536, depth=24, num_heads=16, mlp_dim=6144),
     "1b": dict(dim=2048, depth=18, num_heads=16, mlp_dim=8192),  # configs/models/decoder_1b.gin
     "1.3b": dict(dim=2048, depth=24, num_heads=16, mlp_dim=8192),
@@ -67,6 +69,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--policies", default="nothing_saveable,dots_saveable", help="the blocks' remat policies"
     )
+    parser.add_argument(
+        "--depths",
+        help="plan each size with these numbers of blocks instead of its own (a decoder whose "
+        "compilation needs more host memory than this host has: its total grows by the same "
+        "amount with each block, so a few depths give it)",
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny decoder: a smoke test")
     parser.add_argument("--out", help="also write the report to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -74,6 +82,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--compile", help=argparse.SUPPRESS)
     parser.add_argument("--replicas", type=int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+def sizes(args: argparse.Namespace) -> list[str]:
+    """The decoders to plan: a size, or "size@blocks" with `--depths`."""
+    names = args.sizes.split(",")
+    if not args.depths:
+        return names
+    return [f"{name}@{depth}" for name in names for depth in args.depths.split(",")]
+
+
+def decoder(size: str) -> dict:
+    """The DecoderLM settings of a size (see `sizes`)."""
+    name, _, depth = size.partition("@")
+    return {**SIZES[name], **({"depth": int(depth)} if depth else {})}
 
 
 def write_programs(args: argparse.Namespace, size: str, program: str) -> dict:
@@ -97,7 +119,7 @@ def write_programs(args: argparse.Namespace, size: str, program: str) -> dict:
     storage = tf_internals.trainable_weights_without_storage if program == "weights" else None
     with storage() if storage else contextlib.nullcontext():
         model = DecoderLM(
-            vocab_size=args.vocab, max_length=args.sequence, dropout=0.1, **SIZES[size]
+            vocab_size=args.vocab, max_length=args.sequence, dropout=0.1, **decoder(size)
         )
     programs: dict[tuple[str, str, int], str] = {}
     rows = []
@@ -180,7 +202,12 @@ def plan_program(args: argparse.Namespace) -> dict:
         if not found:
             return {"error": str(error).splitlines()[0][:200]}
         return {"temp_gib": float(found[1]), "hbm_gib": float(found[2])}
-    return {"program": plan.peak_bytes, "temp": plan.temp_bytes, "parameter": plan.parameter_bytes}
+    return {
+        "program": plan.peak_bytes,
+        "temp": plan.temp_bytes,
+        "parameter": plan.parameter_bytes,
+        "code": plan.generated_code_bytes,
+    }
 
 
 def format_report(args: argparse.Namespace, results: dict[str, dict], started) -> str:
@@ -201,18 +228,20 @@ def format_report(args: argparse.Namespace, results: dict[str, dict], started) -
         f"policy on every block. {unit} per chip; fits: the total within the {gib(usable)} "
         f"{unit} a program may use.",
         "",
-        "| decoder | shard_state | remat | batch per chip | program (temporaries) | kept | total "
-        "| fits |",
+        "| decoder | shard_state | remat | batch per chip | program (temporaries; code) | kept "
+        "| total | fits |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for size, result in results.items():
-        name = size
+        name, _, depth = size.partition("@")
+        if depth:
+            name += f" at {depth} of {SIZES[name]['depth']} blocks"
         if result["parameters"]:
             name += f" ({result['parameters'] / 1e9:.2f} B)"
         for row in result["rows"]:
             if "program" in row:
                 total = row["program"] + row["kept"]
-                program = f"{gib(row['program'])} ({gib(row['temp'])})"
+                program = f"{gib(row['program'])} ({gib(row['temp'])}; {gib(row['code'])})"
                 total_text, fits = gib(total), "yes" if total <= usable else "no"
             elif "temp_gib" in row:
                 program = f"refused: temporaries {row['temp_gib']:.2f}G > {row['hbm_gib']:.2f}G"
@@ -242,7 +271,7 @@ def main(argv: list[str]) -> None:
     levels = args.levels.split(",")
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as hlo_dir:
-        for size in args.sizes.split(","):
+        for size in sizes(args):
             merged = results[size] = {"parameters": None, "rows": []}
             for program in dict.fromkeys(PROGRAMS[level] for level in levels):
                 parameters, rows = plan_rows(argv, size, program, levels, hlo_dir)
