@@ -21,8 +21,12 @@ is counted from its slots' shapes, never built whole: for a 2.6 B model it would
 host's memory for a figure the shapes give.
 
     python benchmarks/shard_plans.py --out=benchmarks/results/shard_plans.md
-    python benchmarks/shard_plans.py --sizes=2.6b --levels=weights --batches=2,4
+    python benchmarks/shard_plans.py --sizes=2b --levels=weights --batches=4
+    python benchmarks/shard_plans.py --sizes=2.6b --depths=8,16 --levels=weights --batches=4
     python benchmarks/shard_plans.py --quick
+
+libtpu's compilation of the 2.6 B decoder's whole program needs more than 24 GB of host memory:
+`--depths` plans it at fewer blocks (beyond the first few, each block adds about the same).
 """
 
 from __future__ import annotations
@@ -72,8 +76,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--depths",
         help="plan each size with these numbers of blocks instead of its own (a decoder whose "
-        "compilation needs more host memory than this host has: its total grows by the same "
-        "amount with each block, so a few depths give it)",
+        "compilation needs more host memory than this host has; beyond the first few blocks each "
+        "adds about the same)",
     )
     parser.add_argument("--quick", action="store_true", help="a tiny decoder: a smoke test")
     parser.add_argument("--out", help="also write the report to this file")
