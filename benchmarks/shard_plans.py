@@ -120,8 +120,10 @@ def write_programs(args: argparse.Namespace, size: str, program: str) -> dict:
     keras.utils.set_random_seed(0)
     # The "weights" program reads the weights' shards alone: the model needs no storage for its
     # own, so a decoder larger than this host's memory is planned (its shards are 1/chips).
-    storage = tf_internals.trainable_weights_without_storage if program == "weights" else None
-    with storage() if storage else contextlib.nullcontext():
+    scope = contextlib.nullcontext()
+    if program == "weights":
+        scope = tf_internals.trainable_weights_without_storage()
+    with scope:
         model = DecoderLM(
             vocab_size=args.vocab, max_length=args.sequence, dropout=0.1, **decoder(size)
         )
