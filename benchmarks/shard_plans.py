@@ -85,7 +85,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--hlo_dir", help=argparse.SUPPRESS)
     parser.add_argument("--compile", help=argparse.SUPPRESS)
     parser.add_argument("--replicas", type=int, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.sizes.split(",") if name not in SIZES]
+    if unknown:
+        parser.error(f"unknown size {', '.join(unknown)}: choose from {', '.join(SIZES)}")
+    if args.depths and not all(d.isdigit() and int(d) > 0 for d in args.depths.split(",")):
+        parser.error(f"--depths takes block counts such as 8,16; got {args.depths!r}")
+    return args
 
 
 def sizes(args: argparse.Namespace) -> list[str]:

@@ -303,3 +303,18 @@ def test_remat_user_models_quick(tmp_path):
     for name in ("bert", "mobilenetv3"):
         error = float(rows[name].strip("|").split("|")[-1])
         assert error < 1e-4, report
+
+
+@pytest.mark.parametrize(
+    "flag, said", [("--sizes=5b", "unknown size 5b"), ("--depths=x", "--depths takes block counts")]
+)
+def test_shard_plans_refuses_a_size_it_does_not_know(flag, said):
+    proc = subprocess.run(
+        [sys.executable, str(REPO_DIR / "benchmarks" / "shard_plans.py"), flag],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2 and f"error: {said}" in proc.stderr, proc.stderr
