@@ -30,6 +30,7 @@ import tensorflow as tf
 _MULTIPLIERS = (0x7FEB352D, 0x846CA68B)  # a low-bias 32-bit mixer's constants
 _SHIFTS = (16, 15, 16)
 _MAX_VALUES = 2**31 - 1  # the iota is int32
+Window = tuple[list, list]  # begin and size per axis
 
 
 def _mix(x: tf.Tensor) -> tf.Tensor:
@@ -47,23 +48,49 @@ def _values(shape: tf.TensorShape | tf.Tensor) -> int | tf.Tensor:
     return tf.reduce_prod(shape)
 
 
-def _offset_index(shape: tf.TensorShape | tf.Tensor, offset: tf.Tensor) -> tf.Tensor:
-    """`offset` (a uint32 scalar) plus each value's row-major position, built as the offset plus
-    one small range per axis times its stride. The ranges broadcast and XLA fuses them into the
-    mask's consumers; starting from the offset, which is known only when the step runs, keeps
-    XLA from folding the positions into a constant of the mask's size (4 bytes per value in
-    device memory, one per compiled computation that draws the mask)."""
+def _offset_index(
+    shape: tf.TensorShape | tf.Tensor, offset: tf.Tensor, window: Window | None = None
+) -> tf.Tensor:
+    """`offset` (a uint32 scalar) plus each value's row-major position in `shape`, built as the
+    offset plus one small range per axis times its stride. The ranges broadcast and XLA fuses
+    them into the mask's consumers; starting from the offset, which is known only when the step
+    runs, keeps XLA from folding the positions into a constant of the mask's size (4 bytes per
+    value in device memory, one per compiled computation that draws the mask).
+
+    With `window` (begin, size per axis), the positions are those of that window only: the
+    values of one chunk of a larger tensor, with the indices they have in the whole."""
     dims = tf.unstack(tf.cast(shape, tf.int32)) if isinstance(shape, tf.Tensor) else list(shape)
     rank = len(dims)
+    begins, sizes = window if window is not None else (None, dims)
     index = tf.reshape(offset, [1] * rank)
     stride = tf.constant(1, tf.uint32)
     for axis in reversed(range(rank)):
         broadcast = [1] * rank
         broadcast[axis] = -1
-        positions = tf.reshape(tf.range(dims[axis], dtype=tf.int32), broadcast)
+        positions = tf.range(sizes[axis], dtype=tf.int32)
+        if begins is not None:
+            positions = positions + begins[axis]
+        positions = tf.reshape(positions, broadcast)
         index = index + tf.bitcast(positions, tf.uint32) * stride
         stride = stride * tf.cast(dims[axis], tf.uint32)
     return index
+
+
+def _check_size(shape: tf.TensorShape | tf.Tensor) -> None:
+    values = _values(shape)
+    if isinstance(values, int) and values > _MAX_VALUES:
+        raise ValueError(
+            f"Dropout over {values} values in one tensor: at most {_MAX_VALUES} are supported; "
+            "shard the batch over more devices or use keras.layers.Dropout."
+        )
+
+
+def mask_key(seed: tf.Tensor) -> tf.Tensor:
+    """The two uint32 words every bit of one mask is hashed with, drawn from a stateless seed
+    (int32 or int64, shape [2]): the mask's only random op."""
+    return tf.random.stateless_uniform(
+        [2], seed=tf.cast(seed, tf.int64), minval=None, maxval=None, dtype=tf.uint32
+    )
 
 
 def keep_mask(shape: tf.TensorShape | tf.Tensor, rate: float, seed: tf.Tensor) -> tf.Tensor:
@@ -74,16 +101,22 @@ def keep_mask(shape: tf.TensorShape | tf.Tensor, rate: float, seed: tf.Tensor) -
       rate: the probability of False, in [0, 1).
       seed: a stateless seed (int32 or int64, shape [2]); the same seed gives the same mask.
     """
-    values = _values(shape)
-    if isinstance(values, int) and values > _MAX_VALUES:
-        raise ValueError(
-            f"Dropout over {values} values in one tensor: at most {_MAX_VALUES} are supported; "
-            "shard the batch over more devices or use keras.layers.Dropout."
-        )
-    key = tf.random.stateless_uniform(
-        [2], seed=tf.cast(seed, tf.int64), minval=None, maxval=None, dtype=tf.uint32
-    )
-    bits = _mix(tf.bitwise.bitwise_xor(_mix(_offset_index(shape, key[0])), key[1]))
+    _check_size(shape)
+    key = mask_key(seed)
+    return _keep(_offset_index(shape, key[0]), rate, key[1])
+
+
+def keep_window(shape: tf.TensorShape, window: Window, rate: float, key: tf.Tensor) -> tf.Tensor:
+    """The part `window` (begin and size per axis; begins may be tensors) of the mask
+    `keep_mask(shape, rate, seed)` with `key = mask_key(seed)`: the same value for every
+    element, computed without the rest of the mask (how blockwise attention drops the
+    probabilities of one chunk exactly as the whole tensor's dropout would)."""
+    _check_size(shape)
+    return _keep(_offset_index(shape, key[0], window), rate, key[1])
+
+
+def _keep(index: tf.Tensor, rate: float, second_word: tf.Tensor) -> tf.Tensor:
+    bits = _mix(tf.bitwise.bitwise_xor(_mix(index), second_word))
     threshold = min(round(rate * 2**32), 2**32 - 1)
     return bits >= tf.constant(threshold, tf.uint32)
 

@@ -8,6 +8,8 @@ Both read packed rows, a dict {"tokens", "segment_ids", "positions"} of int32 [b
 `BertEncoder` attends both ways and ends in BERT's masked-LM head (dense, GELU, norm, tied
 embedding, bias); given `masked_positions` [batch, P] it scores only those positions.
 Logits are float32 under mixed precision. `*_parameter_count` give sizes without building.
+`attention="blockwise"` computes attention in chunks of `attention_chunk` tokens, never holding
+[batch, heads, S, S] (`framework.models.attention`): the setting for long sequences.
 """
 
 from __future__ import annotations
@@ -33,16 +35,6 @@ def _init() -> keras.initializers.Initializer:
     return keras.initializers.RandomNormal(stddev=0.02)
 
 
-def attention_mask(segment_ids, causal: bool):
-    """Boolean [batch, 1, query, key]: same document (and, if causal, not a later token)."""
-    same = ops.expand_dims(segment_ids, 2) == ops.expand_dims(segment_ids, 1)
-    if causal:
-        length = ops.shape(segment_ids)[1]
-        index = ops.arange(length)
-        same = ops.logical_and(same, ops.expand_dims(index, 1) >= ops.expand_dims(index, 0))
-    return ops.expand_dims(same, 1)
-
-
 class _TextTransformer(keras.Model):
     """Token and position embeddings, pre-LN blocks with a document mask, a final norm."""
 
@@ -59,6 +51,8 @@ class _TextTransformer(keras.Model):
         mlp_dim: int,
         dropout: float = 0.0,
         scan_layers: bool = False,
+        attention: str = "plain",
+        attention_chunk: int | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -72,7 +66,17 @@ class _TextTransformer(keras.Model):
             max_length, dim, embeddings_initializer=_init(), name="position_embedding"
         )
         self.embed_dropout = Dropout(dropout)
-        add_blocks(self, depth, num_heads, mlp_dim, dropout, scan=scan_layers)
+        add_blocks(
+            self,
+            depth,
+            num_heads,
+            mlp_dim,
+            dropout,
+            scan=scan_layers,
+            causal=self.causal,
+            attention=attention,
+            chunk_size=attention_chunk,
+        )
         self.norm = keras.layers.LayerNormalization(epsilon=1e-6, dtype="float32", name="norm")
 
     @property
@@ -101,8 +105,7 @@ class _TextTransformer(keras.Model):
     def encode(self, inputs, training=None):
         """Final-norm hidden states [batch, length, dim] in the compute dtype."""
         x = self.embed_dropout(self.embed(inputs), training=training)
-        mask = attention_mask(inputs["segment_ids"], causal=self.causal)
-        x = apply_blocks(self, x, attention_mask=mask, training=training)
+        x = apply_blocks(self, x, segment_ids=inputs["segment_ids"], training=training)
         return ops.cast(self.norm(x), x.dtype)
 
     def tied_logits(self, hidden):

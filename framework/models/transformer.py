@@ -12,22 +12,46 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from framework.models.attention import blockwise_attention, plain_attention
 from framework.models.dropout import Dropout
 from framework.models.scan import ScannedBlocks, stack_weights, unstack_weights
 from framework.remat import checkpoint_name
+
+ATTENTION = {"plain": plain_attention, "blockwise": blockwise_attention}
+
+
+def _check_attention(attention: str) -> None:
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {sorted(ATTENTION)}, got {attention!r}")
 
 
 class MultiHeadAttention(keras.layers.Layer):
     """Multi-head self-attention with one fused query/key/value projection.
 
-    `attention_mask` (optional) is boolean and broadcasts to [batch, heads, query, key]; True
-    means "attend". (Not `mask`: Keras gives that name a meaning of its own.)
+    Which keys a query sees: `attention_mask` (boolean, broadcasting to [batch, heads, query,
+    key]; True means "attend"; not `mask`, which Keras gives a meaning of its own), and
+    `segment_ids` [batch, length] (a query sees its own segment's keys; with `causal`, none
+    after it). `attention` is "plain" (whole [batch, heads, S, S] scores) or "blockwise" (in
+    chunks of `chunk_size` queries and keys, by default from the length): the same function,
+    see `framework.models.attention`.
     """
 
-    def __init__(self, num_heads: int, dropout: float = 0.0, **kwargs):
+    def __init__(
+        self,
+        num_heads: int,
+        dropout: float = 0.0,
+        causal: bool = False,
+        attention: str = "plain",
+        chunk_size: int | None = None,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
+        _check_attention(attention)
         self.num_heads = num_heads
         self.dropout_rate = dropout
+        self.causal = causal
+        self.attention_kind = attention
+        self.chunk_size = chunk_size
 
     def build(self, input_shape):
         dim = input_shape[-1]
@@ -38,25 +62,41 @@ class MultiHeadAttention(keras.layers.Layer):
         self.qkv.build(input_shape)
         self.out = keras.layers.Dense(dim, name="out")
         self.out.build(input_shape)
+        # Holds the attention dropout's seed state (the masks are drawn by the attention).
         self.attention_dropout = Dropout(self.dropout_rate)
 
-    def call(self, x, attention_mask=None, training=None):
+    def call(self, x, attention_mask=None, segment_ids=None, training=None):
         batch, length = ops.shape(x)[0], ops.shape(x)[1]
         qkv = checkpoint_name(self.qkv(x), "qkv_proj")
         qkv = ops.reshape(qkv, (batch, length, 3, self.num_heads, self.head_dim))
         query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        logits = ops.einsum("bqhd,bkhd->bhqk", query, key) * (self.head_dim**-0.5)
-        logits = ops.cast(logits, "float32")
-        if attention_mask is not None:
-            logits = ops.where(attention_mask, logits, -1e9)
-        weights = ops.cast(ops.softmax(logits, axis=-1), x.dtype)
-        weights = self.attention_dropout(weights, training=training)
-        context = ops.einsum("bhqk,bkhd->bqhd", weights, value)
+        options = {"chunk_size": self.chunk_size} if self.attention_kind == "blockwise" else {}
+        if training and self.dropout_rate > 0:
+            options.update(
+                dropout_rate=self.dropout_rate,
+                dropout_seed=self.attention_dropout.seed_generator.next(),
+            )
+        context = ATTENTION[self.attention_kind](
+            query,
+            key,
+            value,
+            mask=attention_mask,
+            segment_ids=segment_ids,
+            causal=self.causal,
+            **options,
+        )
         context = ops.reshape(context, (batch, length, self.num_heads * self.head_dim))
         return checkpoint_name(self.out(context), "attn_out")
 
     def get_config(self):
-        return {**super().get_config(), "num_heads": self.num_heads, "dropout": self.dropout_rate}
+        return {
+            **super().get_config(),
+            "num_heads": self.num_heads,
+            "dropout": self.dropout_rate,
+            "causal": self.causal,
+            "attention": self.attention_kind,
+            "chunk_size": self.chunk_size,
+        }
 
 
 def gelu_tanh(x):
@@ -102,7 +142,10 @@ class Mlp(keras.layers.Layer):
 
 
 class TransformerBlock(keras.layers.Layer):
-    """Pre-LayerNorm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-LayerNorm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    `causal`, `attention` and `chunk_size` are the attention's (`MultiHeadAttention`).
+    """
 
     def __init__(
         self,
@@ -110,18 +153,32 @@ class TransformerBlock(keras.layers.Layer):
         mlp_dim: int,
         dropout: float = 0.0,
         approximate_gelu: bool = False,
+        causal: bool = False,
+        attention: str = "plain",
+        chunk_size: int | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        _check_attention(attention)
         self.num_heads = num_heads
         self.mlp_dim = mlp_dim
         self.dropout_rate = dropout
         self.approximate_gelu = approximate_gelu
+        self.causal = causal
+        self.attention_kind = attention
+        self.chunk_size = chunk_size
 
     def build(self, input_shape):
         self.norm1 = keras.layers.LayerNormalization(epsilon=1e-6, dtype="float32", name="norm1")
         self.norm1.build(input_shape)
-        self.attention = MultiHeadAttention(self.num_heads, self.dropout_rate, name="attention")
+        self.attention = MultiHeadAttention(
+            self.num_heads,
+            self.dropout_rate,
+            causal=self.causal,
+            attention=self.attention_kind,
+            chunk_size=self.chunk_size,
+            name="attention",
+        )
         self.attention.build(input_shape)
         self.norm2 = keras.layers.LayerNormalization(epsilon=1e-6, dtype="float32", name="norm2")
         self.norm2.build(input_shape)
@@ -129,11 +186,12 @@ class TransformerBlock(keras.layers.Layer):
         self.mlp.build(input_shape)
         self.dropout = Dropout(self.dropout_rate)
 
-    def call(self, x, attention_mask=None, training=None):
+    def call(self, x, attention_mask=None, segment_ids=None, training=None):
         h = ops.cast(self.norm1(x), x.dtype)
-        x = x + self.dropout(
-            self.attention(h, attention_mask=attention_mask, training=training), training=training
+        attended = self.attention(
+            h, attention_mask=attention_mask, segment_ids=segment_ids, training=training
         )
+        x = x + self.dropout(attended, training=training)
         h = ops.cast(self.norm2(x), x.dtype)
         return x + self.dropout(self.mlp(h, training=training), training=training)
 
@@ -144,6 +202,9 @@ class TransformerBlock(keras.layers.Layer):
             "mlp_dim": self.mlp_dim,
             "dropout": self.dropout_rate,
             "approximate_gelu": self.approximate_gelu,
+            "causal": self.causal,
+            "attention": self.attention_kind,
+            "chunk_size": self.chunk_size,
         }
 
 
@@ -155,10 +216,12 @@ def add_blocks(
     dropout: float,
     scan: bool = False,
     approximate_gelu: bool = False,
+    **attention,
 ) -> None:
     """Gives `owner` `depth` TransformerBlocks: attributes `block_0`, `block_1`, ..., or with
     `scan=True` one `ScannedBlocks` attribute `scanned_blocks` holding them stacked in a loop.
-    `approximate_gelu`: the blocks' MLPs use GELU's tanh approximation (see `Mlp`).
+    `approximate_gelu`: the blocks' MLPs use GELU's tanh approximation (see `Mlp`); `attention`:
+    the blocks' `causal`, `attention` and `chunk_size`.
 
     One attribute per block, not a list: Keras 3 wraps a list attribute in a type that
     tf.train.Checkpoint does not track, so blocks held in a list would not be saved.
@@ -166,7 +229,9 @@ def add_blocks(
     owner.depth = depth
 
     def make(name: str) -> TransformerBlock:
-        return TransformerBlock(num_heads, mlp_dim, dropout, approximate_gelu, name=name)
+        return TransformerBlock(
+            num_heads, mlp_dim, dropout, approximate_gelu, **attention, name=name
+        )
 
     if scan:
         owner.scanned_blocks = ScannedBlocks(make, depth, name="scanned_blocks")

@@ -25,6 +25,8 @@ class VisionTransformer(keras.Model):
     `approximate_gelu=True` computes GELU by its tanh approximation, as the original ViT and
     big_vision did: their published weights then give the same outputs here (timm's use the
     exact form, the default). `framework.models.weights` imports published weights.
+    `attention="blockwise"` computes attention in chunks of `attention_chunk` tokens
+    (`framework.models.attention`).
     """
 
     def __init__(
@@ -41,6 +43,8 @@ class VisionTransformer(keras.Model):
         channels: int = 3,
         scan_layers: bool = False,
         approximate_gelu: bool = False,
+        attention: str = "plain",
+        attention_chunk: int | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -72,6 +76,8 @@ class VisionTransformer(keras.Model):
             dropout,
             scan=scan_layers,
             approximate_gelu=approximate_gelu,
+            attention=attention,
+            chunk_size=attention_chunk,
         )
         self.norm = keras.layers.LayerNormalization(epsilon=1e-6, dtype="float32", name="norm")
         self.head = keras.layers.Dense(num_classes, dtype="float32", name="head")
