@@ -9,7 +9,9 @@ Both read packed rows, a dict {"tokens", "segment_ids", "positions"} of int32 [b
 embedding, bias); given `masked_positions` [batch, P] it scores only those positions.
 Logits are float32 under mixed precision. `*_parameter_count` give sizes without building.
 `attention="blockwise"` computes attention in chunks of `attention_chunk` tokens, never holding
-[batch, heads, S, S] (`framework.models.attention`): the setting for long sequences.
+[batch, heads, S, S] (`framework.models.attention`); `loss_chunk` lets the trainer compute the
+cross-entropy `loss_chunk` tokens at a time, never holding the logits
+(`framework.models.chunked_loss`): the settings for long sequences and large vocabularies.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from framework.models.chunked_loss import chunked_cross_entropy
 from framework.models.dropout import Dropout
 from framework.models.transformer import (
     TransformerBlock,
@@ -53,10 +56,14 @@ class _TextTransformer(keras.Model):
         scan_layers: bool = False,
         attention: str = "plain",
         attention_chunk: int | None = None,
+        loss_chunk: int | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        if loss_chunk is not None and loss_chunk < 1:
+            raise ValueError(f"loss_chunk must be a positive number of tokens, got {loss_chunk}")
         self.vocab_size = vocab_size
+        self.loss_chunk = loss_chunk
         self.max_length = max_length
         self.dim = dim
         self.token_embedding = keras.layers.Embedding(
@@ -113,9 +120,21 @@ class _TextTransformer(keras.Model):
         table = ops.cast(self.token_embedding.embeddings, "float32")
         return ops.matmul(ops.cast(hidden, "float32"), ops.transpose(table))
 
+    def token_losses(self, hidden, labels, bias=None):
+        """(float32 cross-entropy, predicted token) per label, from the tied logits (plus
+        `bias`) in chunks of `loss_chunk` tokens: the logits are never whole."""
+        if self.loss_chunk is None:
+            raise ValueError(
+                f"{self.name} computes its loss from labels only in chunks: give it loss_chunk"
+            )
+        return chunked_cross_entropy(
+            hidden, self.token_embedding.embeddings, labels, bias=bias, chunk_size=self.loss_chunk
+        )
+
 
 class DecoderLM(_TextTransformer):
-    """Causal LM: packed rows -> next-token logits [batch, length, vocab_size] (float32)."""
+    """Causal LM: packed rows -> next-token logits [batch, length, vocab_size] (float32); given
+    `labels` [batch, length], (losses, predictions) instead (`token_losses`)."""
 
     causal = True
 
@@ -123,15 +142,19 @@ class DecoderLM(_TextTransformer):
         super().__init__(**config)
         self.build()
 
-    def call(self, inputs, training=None):
-        return self.tied_logits(self.encode(inputs, training=training))
+    def call(self, inputs, training=None, labels=None):
+        hidden = self.encode(inputs, training=training)
+        if labels is not None:
+            return self.token_losses(hidden, labels)
+        return self.tied_logits(hidden)
 
 
 class BertEncoder(_TextTransformer):
     """Bidirectional encoder with BERT's masked-LM head.
 
     Logits are [batch, P, vocab_size] at `inputs["masked_positions"]` ([batch, P]) when given,
-    else [batch, length, vocab_size].
+    else [batch, length, vocab_size]; given `labels` of that shape, (losses, predictions)
+    instead (`token_losses`).
     """
 
     def __init__(self, **config):
@@ -161,14 +184,17 @@ class BertEncoder(_TextTransformer):
         x = super().embed(inputs)
         return ops.cast(self.embed_norm(x), x.dtype)
 
-    def call(self, inputs, training=None):
+    def call(self, inputs, training=None, labels=None):
         hidden = self.encode(inputs, training=training)
         if "masked_positions" in inputs:
             hidden = ops.take_along_axis(
                 hidden, ops.expand_dims(inputs["masked_positions"], -1), axis=1
             )
         hidden = ops.cast(self.head_norm(self.head_dense(hidden)), "float32")
-        return self.tied_logits(hidden) + ops.cast(self.output_bias, "float32")
+        bias = ops.cast(self.output_bias, "float32")
+        if labels is not None:
+            return self.token_losses(hidden, labels, bias)
+        return self.tied_logits(hidden) + bias
 
 
 def block_parameter_count(dim: int, mlp_dim: int) -> int:

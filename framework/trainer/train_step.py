@@ -57,15 +57,28 @@ def batch_sums(
     probabilities (`losses.label_classes`); a weight of 0 leaves a label out (padding).
     """
     inputs, labels, weights = unpack(batch)
-    logits = tf.cast(model(inputs, training=training), tf.float32)
-    losses = loss_fn(logits, labels)
-    classes = label_classes(labels)
-    hits = tf.equal(tf.argmax(logits, -1, output_type=classes.dtype), classes)
+    losses, predictions = _losses_and_predictions(model, inputs, labels, loss_fn, training)
+    hits = tf.equal(predictions, tf.cast(label_classes(labels), predictions.dtype))
     return (
         tf.reduce_sum(losses * weights),
         tf.reduce_sum(tf.cast(hits, tf.float32) * weights),
         tf.reduce_sum(weights),
     )
+
+
+def _losses_and_predictions(model: keras.Model, inputs, labels, loss_fn: LossFn, training: bool):
+    """Per-label losses and predicted classes. A model with a `loss_chunk` (the language models'
+    setting for large vocabularies) computes them itself from the labels, chunk by chunk, and
+    never holds the whole logits; its loss is softmax cross-entropy of integer labels."""
+    if getattr(model, "loss_chunk", None) is None:
+        logits = tf.cast(model(inputs, training=training), tf.float32)
+        return loss_fn(logits, labels), tf.argmax(logits, -1, output_type=tf.int32)
+    if loss_fn is not cross_entropy or labels.dtype.is_floating:
+        raise ValueError(
+            f"the model computes softmax cross-entropy of integer labels itself (loss_chunk="
+            f"{model.loss_chunk}); for another loss or soft labels, set loss_chunk=None"
+        )
+    return model(inputs, training=training, labels=labels)
 
 
 def _batch_gradients(model: keras.Model, batch, loss_fn: LossFn, reads: WeightReads):
