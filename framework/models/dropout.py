@@ -29,7 +29,7 @@ import tensorflow as tf
 
 _MULTIPLIERS = (0x7FEB352D, 0x846CA68B)  # a low-bias 32-bit mixer's constants
 _SHIFTS = (16, 15, 16)
-_MAX_VALUES = 2**31 - 1  # the iota is int32
+_MAX_VALUES = 2**32  # positions are uint32, distinct below 2**32
 Window = tuple[list, list]  # begin and size per axis
 
 

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from framework import memory, remat
 from framework.models import Dropout
-from framework.models.dropout import keep_mask
+from framework.models.dropout import keep_mask, keep_window, mask_key
 from tests.memory.test_tpu import _sgd_step
 
 # Integer ops on uint32 need kernels of each TensorFlow release: the whole module runs on 2.20 too.
@@ -49,9 +49,42 @@ def test_the_same_seed_gives_the_same_mask_in_eager_graph_and_xla():
     assert not np.array_equal(draw(seed + [0, 1]).numpy(), eager)
 
 
+def _numpy_keep(flat_index: np.ndarray, rate: float, key: np.ndarray) -> np.ndarray:
+    """The module's hash written again in numpy: the reference for positions past 2**31."""
+
+    def mix(x):
+        x = x.astype(np.uint64)
+        for shift, multiplier in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, None)):
+            x ^= x >> shift
+            if multiplier is not None:
+                x = (x * multiplier) & 0xFFFFFFFF
+        return x
+
+    bits = mix(mix((flat_index + int(key[0])) & 0xFFFFFFFF) ^ int(key[1]))
+    return bits >= round(rate * 2**32)
+
+
+def test_a_window_of_a_tensor_of_more_than_2_31_values_has_its_own_positions():
+    """Blockwise attention draws the mask of [batch, heads, S, S] chunk by chunk: the window's
+    bits are those of its positions in the whole, past 2**31 too (the whole is never built)."""
+    shape = tf.TensorShape([4, 16, 2**13, 2**13])  # 2**32 values
+    begin, size = [3, 15, 2**13 - 8, 2**13 - 16], [1, 1, 8, 16]
+    key = mask_key(tf.constant([5, 6]))
+    got = keep_window(shape, (begin, size), 0.3, key).numpy()
+    index = np.ravel_multi_index(
+        np.meshgrid(*[np.arange(b, b + n) for b, n in zip(begin, size)], indexing="ij"),
+        tuple(shape),
+    )
+    assert index.max() == 2**32 - 1
+    np.testing.assert_array_equal(got, _numpy_keep(index, 0.3, key.numpy()))
+    whole = keep_mask(tf.TensorShape([2, 3, 5, 7]), 0.3, tf.constant([5, 6])).numpy()
+    window = keep_window(tf.TensorShape([2, 3, 5, 7]), ([1, 0, 2, 3], [1, 3, 2, 4]), 0.3, key)
+    np.testing.assert_array_equal(window.numpy(), whole[1:2, :, 2:4, 3:7])
+
+
 def test_a_tensor_past_the_index_range_is_refused():
-    with pytest.raises(ValueError, match="at most 2147483647"):
-        keep_mask(tf.TensorShape([2**16, 2**15]), 0.1, tf.constant([1, 2]))
+    with pytest.raises(ValueError, match="at most 4294967296"):
+        keep_mask(tf.TensorShape([2**16, 2**16 + 1]), 0.1, tf.constant([1, 2]))
 
 
 def test_the_layer_behaves_as_keras_dropout():
