@@ -23,6 +23,8 @@ host's memory for a figure the shapes give.
     python benchmarks/shard_plans.py --out=benchmarks/results/shard_plans.md
     python benchmarks/shard_plans.py --sizes=2b --levels=weights --batches=4
     python benchmarks/shard_plans.py --sizes=2.6b --depths=8,16 --levels=weights --batches=4
+    python benchmarks/shard_plans.py --sequence=16384 --attention=blockwise --loss_chunk=512 \
+        --levels=weights --batches=1 --policies=nothing_saveable
     python benchmarks/shard_plans.py --quick
 
 libtpu's compilation of the 2.6 B decoder's whole program needs more than 24 GB of host memory:
@@ -70,6 +72,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batches", default="4,8", help="sequences per chip")
     parser.add_argument("--sequence", type=int, default=2048, help="tokens per sequence")
     parser.add_argument("--vocab", type=int, default=32_000, help="vocabulary size")
+    parser.add_argument(
+        "--attention",
+        default="plain",
+        choices=("plain", "blockwise"),
+        help="the decoder's attention",
+    )
+    parser.add_argument(
+        "--loss_chunk", type=int, help="tokens per chunk of the loss (default: whole)"
+    )
     parser.add_argument(
         "--policies", default="nothing_saveable,dots_saveable", help="the blocks' remat policies"
     )
@@ -131,7 +142,12 @@ def write_programs(args: argparse.Namespace, size: str, program: str) -> dict:
         scope = tf_internals.trainable_weights_without_storage()
     with scope:
         model = DecoderLM(
-            vocab_size=args.vocab, max_length=args.sequence, dropout=0.1, **decoder(size)
+            vocab_size=args.vocab,
+            max_length=args.sequence,
+            dropout=0.1,
+            attention=args.attention,
+            loss_chunk=args.loss_chunk,
+            **decoder(size),
         )
     programs: dict[tuple[str, str, int], str] = {}
     rows = []
@@ -236,7 +252,9 @@ def format_report(args: argparse.Namespace, results: dict[str, dict], started) -
         *report_header(__file__, started),
         f"Planned by: libtpu's compiler (compile-only) for {args.target}, one chip's plan of "
         f"the program of all {tpu.tpu_devices(args.target)} chips. Decoder LMs at sequence "
-        f"{args.sequence}, vocabulary {args.vocab}, dropout 0.1, AdamW in float32, the remat "
+        f"{args.sequence}, vocabulary {args.vocab}, {args.attention} attention, the loss "
+        f"{f'in chunks of {args.loss_chunk} tokens' if args.loss_chunk else 'over whole logits'}"
+        f", dropout 0.1, AdamW in float32, the remat "
         f"policy on every block. {unit} per chip; fits: the total within the {gib(usable)} "
         f"{unit} a program may use.",
         "",

@@ -347,6 +347,25 @@ def flatten_layers(layer, recursive: bool) -> list:
     return list(layer._flatten_layers(include_self=False, recursive=recursive))
 
 
+def attention_computation(layer) -> Callable:
+    """The softmax-attention step of a `keras.layers.MultiHeadAttention` (and of keras-hub's
+    attention layers, its subclasses): `_compute_attention(query, key, value, attention_mask,
+    training, return_attention_scores, use_causal_mask)` on projected [batch, length, heads,
+    dim] tensors, which Keras documents as the method to override for another attention."""
+    return layer._compute_attention
+
+
+def set_attention_computation(layer, compute: Callable) -> None:
+    """Replaces `attention_computation(layer)` on this layer (an instance attribute)."""
+    layer._compute_attention = compute
+
+
+def attention_dropout_seed(layer) -> tf.Tensor:
+    """The next stateless seed of a `keras.layers.MultiHeadAttention`'s attention dropout,
+    from the seed state that layer's own dropout advances."""
+    return layer._dropout_layer.seed_generator.next()
+
+
 # Keras 3 keeps what a layer call hands down to the layers it calls in thread-local state that
 # `Layer.__call__` sets up: the call context (`training` and any other call-context argument a
 # layer registers), the autocast dtype of mixed precision, and the stack of name scopes of the

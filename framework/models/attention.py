@@ -27,9 +27,12 @@ over the keys of the chunks it visits. Such queries are padding, whose loss weig
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
+import keras
 import tensorflow as tf
 
+from framework.core import tf_internals
 from framework.models.dropout import keep_mask, keep_window, mask_key
 
 _MASKED = -1e9  # the score of a key a query does not see
@@ -116,7 +119,8 @@ def blockwise_attention(
     chunk_size: int | None = None,
 ) -> tf.Tensor:
     """`plain_attention`'s result in chunks of `chunk_size` queries and keys (by default
-    `default_chunk` of the length), never holding [batch, heads, S, S] (see the module).
+    `default_chunk` of the length; at most the length), never holding [batch, heads, S, S]
+    (see the module).
 
     The length must be static. A `mask` is sliced per chunk, so it may broadcast over any axis;
     give `segment_ids` and `causal` rather than a dense mask where they say the same: the dense
@@ -128,27 +132,24 @@ def blockwise_attention(
         raise ValueError("blockwise_attention needs a static sequence length (query.shape[1])")
     if causal and segment_ids is None:
         raise ValueError("causal attention here needs segment_ids (all zeros for one segment)")
-    chunk = chunk_size or default_chunk(length)
-    if chunk < 1:
-        raise ValueError(f"blockwise_attention's chunk_size must be positive, got {chunk}")
-    chunks = math.ceil(length / chunk)
-    plan = _Chunks(query, value, chunk, chunks, causal, dropout_rate)
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"blockwise_attention's chunk_size must be positive, got {chunk_size}")
+    chunk = min(chunk_size or default_chunk(length), length)
+    dropout = None
     if dropout_seed is not None and dropout_rate > 0:
-        plan.dropout_key = mask_key(dropout_seed)
-    if mask is not None:
-        plan.mask = _pad_mask(tf.convert_to_tensor(mask), length, chunks * chunk)
-    if segment_ids is not None:
-        plan.segments = plan.to_chunks(tf.convert_to_tensor(segment_ids))
+        dropout = (dropout_rate, mask_key(dropout_seed))
+    plan = _Chunks(query, value, chunk, causal, mask, segment_ids, dropout)
     context = _attend(plan, *(plan.to_chunks(t) for t in (query, key, value)))
     return plan.from_chunks(context)
 
 
 class _Chunks:
-    """One call's chunking: the shapes, the masks per chunk pair, dropout per chunk pair."""
+    """One call's chunking: the shapes, which keys each chunk pair sees, and its dropout."""
 
-    def __init__(self, query, value, chunk, chunks, causal, dropout_rate):
-        self.length, self.chunk, self.chunks, self.causal = query.shape[1], chunk, chunks, causal
-        self.padded = chunks * chunk
+    def __init__(self, query, value, chunk, causal, mask, segment_ids, dropout):
+        self.length, self.chunk, self.causal = query.shape[1], chunk, causal
+        self.chunks = math.ceil(self.length / chunk)
+        self.padded = self.chunks * chunk
         self.dtype = query.dtype
         self.scale = query.shape[-1] ** -0.5
         batch = query.shape[0] if query.shape[0] is not None else tf.shape(query)[0]
@@ -160,10 +161,11 @@ class _Chunks:
         self.probability_shape = [batch, heads, chunk, chunk]
         whole = [batch, heads, self.length, self.length]
         self.full_shape = tf.TensorShape(whole) if isinstance(batch, int) else tf.stack(whole)
-        self.dropout_rate = dropout_rate
-        self.dropout_key = None
-        self.mask = None
+        self.dropout = dropout  # (rate, mask key) or None
+        self.mask = None if mask is None else _pad_mask(tf.convert_to_tensor(mask), self)
         self.segments = None
+        if segment_ids is not None:
+            self.segments = self.to_chunks(tf.convert_to_tensor(segment_ids))
 
     def to_chunks(self, x: tf.Tensor) -> tf.Tensor:
         """[batch, length, ...] -> [chunks, batch, chunk, ...], zero-padded."""
@@ -219,22 +221,24 @@ class _Chunks:
     def drop(self, x: tf.Tensor, i, j) -> tf.Tensor:
         """`x` [batch, heads, chunk, chunk] of chunk pair (i, j) under the dropout of the whole
         [batch, heads, length, length] probabilities (scaled by 1 / (1 - rate))."""
-        if self.dropout_key is None:
+        if self.dropout is None:
             return x
+        rate, key = self.dropout
         window = (
             [0, 0, i * self.chunk, j * self.chunk],
             self.probability_shape,
         )
-        keep = keep_window(self.full_shape, window, self.dropout_rate, self.dropout_key)
-        return tf.where(keep, x * tf.cast(1 / (1 - self.dropout_rate), x.dtype), 0)
+        keep = keep_window(self.full_shape, window, rate, key)
+        return tf.where(keep, x * tf.cast(1 / (1 - rate), x.dtype), 0)
 
 
-def _pad_mask(mask: tf.Tensor, length: int, padded: int) -> tf.Tensor:
+def _pad_mask(mask: tf.Tensor, plan: _Chunks) -> tf.Tensor:
     """The mask as rank 4, its query and key axes padded (with False) to the chunked length."""
     while mask.shape.rank < 4:
         mask = mask[None]
+    extra = plan.padded - plan.length
     paddings = [[0, 0], [0, 0]] + [
-        [0, padded - length if mask.shape[axis] == length else 0] for axis in (2, 3)
+        [0, extra if mask.shape[axis] == plan.length else 0] for axis in (2, 3)
     ]
     return tf.pad(mask, paddings)
 
@@ -356,3 +360,90 @@ def _backward(plan: _Chunks, query, key, value, context, log_sum_exp, d_context)
         ),
     )
     return tuple(tf.cast(d, plan.dtype) for d in (d_query, d_keys.stack(), d_values.stack()))
+
+
+def use_blockwise_attention(
+    model: keras.layers.Layer, chunk_size: int | None = None
+) -> list[keras.layers.MultiHeadAttention]:
+    """Computes the attention of every `keras.layers.MultiHeadAttention` in `model` with
+    `blockwise_attention`, in place; returns those layers. keras-hub's models (GPT-2, BERT, ViT,
+    ...) attend through subclasses of that layer, so this is one line on them too.
+
+    The layers keep their weights, projections and masks; only the softmax attention between
+    them changes. A call the blockwise path does not cover runs the layer's own computation:
+    query and key of different lengths (generation with a key/value cache), attention scores
+    asked for, attention over other axes. Attention dropout draws its masks from the layer's own
+    seed state, by `framework.models.dropout`'s hash: the same rate, other masks than Keras'
+    dropout would have drawn.
+
+    Raises:
+      ValueError: `model` holds no `keras.layers.MultiHeadAttention`.
+    """
+    layers = [
+        layer
+        for layer in tf_internals.flatten_layers(model, recursive=True)
+        if isinstance(layer, keras.layers.MultiHeadAttention)
+    ]
+    if not layers:
+        raise ValueError(
+            f"{model.name} holds no keras.layers.MultiHeadAttention: nothing to make blockwise "
+            "(give your own attention layer blockwise_attention instead)"
+        )
+    for layer in layers:
+        tf_internals.set_attention_computation(
+            layer,
+            _blockwise_computation(layer, tf_internals.attention_computation(layer), chunk_size),
+        )
+    return layers
+
+
+def _blockwise_computation(layer, own: Callable, chunk_size: int | None) -> Callable:
+    def compute(
+        query,
+        key,
+        value,
+        attention_mask=None,
+        training=None,
+        return_attention_scores=False,
+        use_causal_mask=False,
+    ):
+        covered = (
+            not return_attention_scores
+            and query.shape.rank == 4
+            and tuple(layer.attention_axes or (1,)) == (1,)
+            and query.shape[1] is not None
+            and query.shape[1] == key.shape[1]
+        )
+        if not covered:
+            return own(
+                query,
+                key,
+                value,
+                attention_mask=attention_mask,
+                training=training,
+                return_attention_scores=return_attention_scores,
+                use_causal_mask=use_causal_mask,
+            )
+        options = {}
+        if training and layer.dropout > 0:
+            options = {
+                "dropout_rate": layer.dropout,
+                "dropout_seed": tf_internals.attention_dropout_seed(layer),
+            }
+        mask = None if attention_mask is None else tf.cast(attention_mask, tf.bool)
+        if mask is not None and mask.shape.rank == 3:  # [batch, query, key]: one for all heads
+            mask = mask[:, None]
+        segments = tf.zeros(tf.shape(query)[:2], tf.int32) if use_causal_mask else None
+        context = blockwise_attention(
+            query,
+            key,
+            value,
+            mask=mask,
+            segment_ids=segments,
+            causal=use_causal_mask,
+            chunk_size=chunk_size,
+            **options,
+        )
+        return context, None
+
+    return compute

@@ -81,7 +81,8 @@ def _check_size(shape: tf.TensorShape | tf.Tensor) -> None:
     if isinstance(values, int) and values > _MAX_VALUES:
         raise ValueError(
             f"Dropout over {values} values in one tensor: at most {_MAX_VALUES} are supported; "
-            "shard the batch over more devices or use keras.layers.Dropout."
+            "use fewer examples per replica, or rate 0 (attention dropout at long sequences), or "
+            "keras.layers.Dropout."
         )
 
 

@@ -185,6 +185,8 @@ def test_what_blockwise_attention_refuses():
         blockwise_attention(query, key, value, causal=True)
     with pytest.raises(ValueError, match="dropout_rate must be in"):
         blockwise_attention(query, key, value, dropout_rate=1.0, dropout_seed=SEED)
+    with pytest.raises(ValueError, match="chunk_size must be positive"):
+        blockwise_attention(query, key, value, chunk_size=0)
     with pytest.raises(ValueError, match="static sequence length"):
         tf.function(blockwise_attention).get_concrete_function(
             *[tf.TensorSpec([1, None, HEADS, DEPTH])] * 3
@@ -377,3 +379,55 @@ def test_training_under_mirrored_matches_plain_attention():
     got = [np.asarray(w) for w in blockwise["weights"]]
     want = [np.asarray(w) for w in plain["weights"]]
     assert _error(got, want) < 1e-5
+
+
+def _hub_without_dropout(name: str):
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    text = dict(vocabulary_size=50, num_layers=2, hidden_dim=16, intermediate_dim=32)
+    ids = tf.random.stateless_uniform((2, 12), [1, 2], 1, 50, tf.int32)
+    padding = tf.constant([[1] * 12, [1] * 9 + [0] * 3], tf.int32)
+    if name == "gpt2":
+        model = keras_hub.models.GPT2Backbone(
+            num_heads=2, max_sequence_length=16, dropout=0.0, **text
+        )
+        return model, {"token_ids": ids, "padding_mask": padding}
+    model = keras_hub.models.BertBackbone(num_heads=2, max_sequence_length=16, dropout=0.0, **text)
+    return model, {"token_ids": ids, "padding_mask": padding, "segment_ids": tf.zeros_like(ids)}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_keras_hub_models_attend_blockwise_in_one_line(name, monkeypatch):
+    """keras-hub's GPT-2 (causal, padded) and BERT: the same gradients with their attention
+    computed blockwise, and the blockwise path really ran (its calls counted)."""
+    from tests.remat.test_user_models import _run
+
+    calls = []
+    blockwise = attention.blockwise_attention
+    monkeypatch.setattr(
+        attention, "blockwise_attention", lambda *a, **k: calls.append(k) or blockwise(*a, **k)
+    )
+    model, inputs = _hub_without_dropout(name)
+    want, _ = _run(model, inputs, "xla")
+    assert not calls
+    layers = attention.use_blockwise_attention(model, chunk_size=5)
+    assert len(layers) == 2
+    got, _ = _run(model, inputs, "xla")
+    assert len(calls) == 2 and all(c["mask"] is not None for c in calls), calls
+    pairs = [(g, w) for g, w in zip(got, want, strict=True) if w is not None]  # BERT's pooler
+    assert _error(*zip(*[(np.float64(g), np.float64(w)) for g, w in pairs])) < 1e-5
+    with pytest.raises(ValueError, match="holds no keras.layers.MultiHeadAttention"):
+        attention.use_blockwise_attention(keras.Sequential([keras.layers.Dense(2)]))
+
+
+@pytest.mark.slow
+def test_keras_hub_blockwise_attention_with_dropout_under_remat():
+    """keras-hub's GPT-2 with dropout 0.2 and blockwise attention: remat recomputes each block
+    and the gradients equal those without remat (the hashed masks are drawn again alike)."""
+    from tests.remat.test_user_models import _check, _hub
+
+    model, inputs = _hub("gpt2")
+    model(inputs)
+    attention.use_blockwise_attention(model)
+    _check(model, inputs, "xla")
