@@ -388,6 +388,12 @@ def _hub_without_dropout(name: str):
     text = dict(vocabulary_size=50, num_layers=2, hidden_dim=16, intermediate_dim=32)
     ids = tf.random.stateless_uniform((2, 12), [1, 2], 1, 50, tf.int32)
     padding = tf.constant([[1] * 12, [1] * 9 + [0] * 3], tf.int32)
+    if name == "vit":
+        model = keras_hub.models.ViTBackbone(
+            image_shape=(32, 32, 3), patch_size=8, num_layers=2, num_heads=2, hidden_dim=16,
+            mlp_dim=32, dropout_rate=0.0, attention_dropout=0.0,
+        )  # fmt: skip
+        return model, tf.random.stateless_normal((2, 32, 32, 3), [3, 4])
     if name == "gpt2":
         model = keras_hub.models.GPT2Backbone(
             num_heads=2, max_sequence_length=16, dropout=0.0, **text
@@ -397,9 +403,9 @@ def _hub_without_dropout(name: str):
     return model, {"token_ids": ids, "padding_mask": padding, "segment_ids": tf.zeros_like(ids)}
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert"])
+@pytest.mark.parametrize("name", ["gpt2", "bert", "vit"])
 def test_keras_hub_models_attend_blockwise_in_one_line(name, monkeypatch):
-    """keras-hub's GPT-2 (causal, padded) and BERT: the same gradients with their attention
+    """keras-hub's GPT-2 (causal, padded), BERT and ViT: the same gradients with their attention
     computed blockwise, and the blockwise path really ran (its calls counted)."""
     from tests.remat.test_user_models import _run
 
@@ -414,7 +420,7 @@ def test_keras_hub_models_attend_blockwise_in_one_line(name, monkeypatch):
     layers = attention.use_blockwise_attention(model, chunk_size=5)
     assert len(layers) == 2
     got, _ = _run(model, inputs, "xla")
-    assert len(calls) == 2 and all(c["mask"] is not None for c in calls), calls
+    assert len(calls) == 2 and all((c["mask"] is None) == (name == "vit") for c in calls), calls
     pairs = [(g, w) for g, w in zip(got, want, strict=True) if w is not None]  # BERT's pooler
     assert _error(*zip(*[(np.float64(g), np.float64(w)) for g, w in pairs])) < 1e-5
     with pytest.raises(ValueError, match="holds no keras.layers.MultiHeadAttention"):
