@@ -78,6 +78,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         choices=("plain", "blockwise"),
         help="the decoder's attention",
     )
+    parser.add_argument("--dropout", type=float, default=0.1, help="the decoder's dropout rate")
     parser.add_argument(
         "--loss_chunk", type=int, help="tokens per chunk of the loss (default: whole)"
     )
@@ -144,7 +145,7 @@ def write_programs(args: argparse.Namespace, size: str, program: str) -> dict:
         model = DecoderLM(
             vocab_size=args.vocab,
             max_length=args.sequence,
-            dropout=0.1,
+            dropout=args.dropout,
             attention=args.attention,
             loss_chunk=args.loss_chunk,
             **decoder(size),
@@ -254,7 +255,7 @@ def format_report(args: argparse.Namespace, results: dict[str, dict], started) -
         f"the program of all {tpu.tpu_devices(args.target)} chips. Decoder LMs at sequence "
         f"{args.sequence}, vocabulary {args.vocab}, {args.attention} attention, the loss "
         f"{f'in chunks of {args.loss_chunk} tokens' if args.loss_chunk else 'over whole logits'}"
-        f", dropout 0.1, AdamW in float32, the remat "
+        f", dropout {args.dropout}, AdamW in float32, the remat "
         f"policy on every block. {unit} per chip; fits: the total within the {gib(usable)} "
         f"{unit} a program may use.",
         "",

@@ -318,3 +318,27 @@ def test_shard_plans_refuses_a_size_it_does_not_know(flag, said):
         check=False,
     )
     assert proc.returncode == 2 and f"error: {said}" in proc.stderr, proc.stderr
+
+
+def test_long_sequences_quick(tmp_path):
+    out = tmp_path / "long_sequences.md"
+    run_benchmark("long_sequences.py", "--quick", f"--out={out}", timeout=600)
+    report = out.read_text()
+    assert "XLA:CPU and TPU v5e (libtpu, compile-only)" in report, report
+    rows = {(r[0], r[1]): r for r in _table_cells(report, 7) if r[0] in ("256", "512")}
+    assert set(rows) == {(s, w) for s in ("256", "512") for w in ("plain", "blockwise")}, report
+    assert all(float(r[2]) > 0 and float(r[5]) > 0 for r in rows.values()), report
+    losses = {r[1]: r for r in _table_cells(report, 4) if r[1] in ("whole", "chunked")}
+    assert set(losses) == {"whole", "chunked"}, report
+
+
+def test_long_sequences_times_the_settings_quick(tmp_path):
+    out = tmp_path / "long_sequences_time.md"
+    run_benchmark("long_sequences.py", "--quick", "--time", "--repeats=1", f"--out={out}")
+    rows = [r for r in _table_cells(out.read_text(), 5) if r[0] in ("256", "512")]
+    assert [r[1] for r in rows[:3]] == [
+        "plain",
+        "blockwise attention",
+        "blockwise + chunked loss",
+    ]
+    assert all(float(r[2]) > 0 for r in rows), rows
