@@ -381,40 +381,20 @@ def test_training_under_mirrored_matches_plain_attention():
     assert _error(got, want) < 1e-5
 
 
-def _hub_without_dropout(name: str):
-    import keras_hub
-
-    keras.utils.set_random_seed(0)
-    text = dict(vocabulary_size=50, num_layers=2, hidden_dim=16, intermediate_dim=32)
-    ids = tf.random.stateless_uniform((2, 12), [1, 2], 1, 50, tf.int32)
-    padding = tf.constant([[1] * 12, [1] * 9 + [0] * 3], tf.int32)
-    if name == "vit":
-        model = keras_hub.models.ViTBackbone(
-            image_shape=(32, 32, 3), patch_size=8, num_layers=2, num_heads=2, hidden_dim=16,
-            mlp_dim=32, dropout_rate=0.0, attention_dropout=0.0,
-        )  # fmt: skip
-        return model, tf.random.stateless_normal((2, 32, 32, 3), [3, 4])
-    if name == "gpt2":
-        model = keras_hub.models.GPT2Backbone(
-            num_heads=2, max_sequence_length=16, dropout=0.0, **text
-        )
-        return model, {"token_ids": ids, "padding_mask": padding}
-    model = keras_hub.models.BertBackbone(num_heads=2, max_sequence_length=16, dropout=0.0, **text)
-    return model, {"token_ids": ids, "padding_mask": padding, "segment_ids": tf.zeros_like(ids)}
-
-
 @pytest.mark.parametrize("name", ["gpt2", "bert", "vit"])
 def test_keras_hub_models_attend_blockwise_in_one_line(name, monkeypatch):
     """keras-hub's GPT-2 (causal, padded), BERT and ViT: the same gradients with their attention
     computed blockwise, and the blockwise path really ran (its calls counted)."""
-    from tests.remat.test_user_models import _run
+    from tests.remat.test_user_models import _hub, _run
 
     calls = []
     blockwise = attention.blockwise_attention
     monkeypatch.setattr(
         attention, "blockwise_attention", lambda *a, **k: calls.append(k) or blockwise(*a, **k)
     )
-    model, inputs = _hub_without_dropout(name)
+    model, inputs = _hub(name, dropout=0.0)
+    if name != "vit":  # the second row ends in padding
+        inputs["padding_mask"] = tf.constant([[1] * 8, [1] * 5 + [0] * 3], tf.int32)
     want, _ = _run(model, inputs, "xla")
     assert not calls
     layers = attention.use_blockwise_attention(model, chunk_size=5)

@@ -30,26 +30,28 @@ def _tokens(batch: int = 2, length: int = 8, vocabulary: int = 50) -> dict:
     return {"token_ids": ids, "padding_mask": tf.ones((batch, length), tf.int32)}
 
 
-def _hub(name: str):
+def _hub(name: str, dropout: float = 0.2):
     keras.utils.set_random_seed(0)
     text = dict(vocabulary_size=50, num_layers=2, hidden_dim=16, intermediate_dim=32)
     if name == "vit":
         model = keras_hub.models.ViTBackbone(
             image_shape=(32, 32, 3), patch_size=8, num_layers=2, num_heads=2, hidden_dim=16,
-            mlp_dim=32, dropout_rate=0.2, attention_dropout=0.2,
+            mlp_dim=32, dropout_rate=dropout, attention_dropout=dropout,
         )  # fmt: skip
         return model, tf.random.stateless_normal((2, 32, 32, 3), [3, 4])
     if name == "gemma":
         model = keras_hub.models.GemmaBackbone(
-            num_query_heads=2, num_key_value_heads=1, head_dim=8, dropout=0.2, **text
+            num_query_heads=2, num_key_value_heads=1, head_dim=8, dropout=dropout, **text
         )
         return model, _tokens()
     if name == "bert":
         model = keras_hub.models.BertBackbone(
-            num_heads=2, max_sequence_length=16, dropout=0.2, **text
+            num_heads=2, max_sequence_length=16, dropout=dropout, **text
         )
         return model, {**_tokens(), "segment_ids": tf.zeros((2, 8), tf.int32)}
-    model = keras_hub.models.GPT2Backbone(num_heads=2, max_sequence_length=16, dropout=0.2, **text)
+    model = keras_hub.models.GPT2Backbone(
+        num_heads=2, max_sequence_length=16, dropout=dropout, **text
+    )
     return model, _tokens()
 
 
