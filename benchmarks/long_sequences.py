@@ -109,7 +109,7 @@ def step_program(args: argparse.Namespace, what: str, sequence: int) -> dict:
             with tf.GradientTape() as tape:
                 tape.watch([hidden, table])
                 if chunks:
-                    token_losses, _ = chunked_loss.chunked_cross_entropy(
+                    token_losses, _ = chunked_loss.chunked_losses(
                         hidden, table, labels, chunk_size=chunks
                     )
                 else:

@@ -9,9 +9,9 @@ Both read packed rows, a dict {"tokens", "segment_ids", "positions"} of int32 [b
 embedding, bias); given `masked_positions` [batch, P] it scores only those positions.
 Logits are float32 under mixed precision. `*_parameter_count` give sizes without building.
 `attention="blockwise"` computes attention in chunks of `attention_chunk` tokens, never holding
-[batch, heads, S, S] (`framework.models.attention`); `loss_chunk` lets the trainer compute the
-cross-entropy `loss_chunk` tokens at a time, never holding the logits
-(`framework.models.chunked_loss`): the settings for long sequences and large vocabularies.
+[batch, heads, S, S] (`framework.models.attention`); `loss_chunk` lets the trainer compute its
+loss `loss_chunk` tokens at a time, never holding the logits (`framework.models.chunked_loss`):
+the settings for long sequences and large vocabularies.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from framework.models.chunked_loss import chunked_cross_entropy
+from framework.models.chunked_loss import chunked_losses, sparse_cross_entropy
 from framework.models.dropout import Dropout
 from framework.models.transformer import (
     TransformerBlock,
@@ -120,21 +120,28 @@ class _TextTransformer(keras.Model):
         table = ops.cast(self.token_embedding.embeddings, "float32")
         return ops.matmul(ops.cast(hidden, "float32"), ops.transpose(table))
 
-    def token_losses(self, hidden, labels, bias=None):
-        """(float32 cross-entropy, predicted token) per label, from the tied logits (plus
-        `bias`) in chunks of `loss_chunk` tokens: the logits are never whole."""
+    def token_losses(self, hidden, labels, loss_fn=None, bias=None):
+        """(float32 `loss_fn(logits, labels)`, predicted token) per label, from the tied logits
+        (plus `bias`) in chunks of `loss_chunk` tokens: the logits are never whole. The loss is
+        softmax cross-entropy when `loss_fn` is None."""
         if self.loss_chunk is None:
             raise ValueError(
                 f"{self.name} computes its loss from labels only in chunks: give it loss_chunk"
             )
-        return chunked_cross_entropy(
-            hidden, self.token_embedding.embeddings, labels, bias=bias, chunk_size=self.loss_chunk
+        return chunked_losses(
+            hidden,
+            self.token_embedding.embeddings,
+            labels,
+            chunk_size=self.loss_chunk,
+            loss_fn=loss_fn or sparse_cross_entropy,
+            bias=bias,
         )
 
 
 class DecoderLM(_TextTransformer):
     """Causal LM: packed rows -> next-token logits [batch, length, vocab_size] (float32); given
-    `labels` [batch, length], (losses, predictions) instead (`token_losses`)."""
+    `labels` [batch, length] (and a `loss_fn`), (losses, predictions) instead
+    (`token_losses`)."""
 
     causal = True
 
@@ -142,10 +149,10 @@ class DecoderLM(_TextTransformer):
         super().__init__(**config)
         self.build()
 
-    def call(self, inputs, training=None, labels=None):
+    def call(self, inputs, training=None, labels=None, loss_fn=None):
         hidden = self.encode(inputs, training=training)
         if labels is not None:
-            return self.token_losses(hidden, labels)
+            return self.token_losses(hidden, labels, loss_fn)
         return self.tied_logits(hidden)
 
 
@@ -184,7 +191,7 @@ class BertEncoder(_TextTransformer):
         x = super().embed(inputs)
         return ops.cast(self.embed_norm(x), x.dtype)
 
-    def call(self, inputs, training=None, labels=None):
+    def call(self, inputs, training=None, labels=None, loss_fn=None):
         hidden = self.encode(inputs, training=training)
         if "masked_positions" in inputs:
             hidden = ops.take_along_axis(
@@ -193,7 +200,7 @@ class BertEncoder(_TextTransformer):
         hidden = ops.cast(self.head_norm(self.head_dense(hidden)), "float32")
         bias = ops.cast(self.output_bias, "float32")
         if labels is not None:
-            return self.token_losses(hidden, labels, bias)
+            return self.token_losses(hidden, labels, loss_fn, bias)
         return self.tied_logits(hidden) + bias
 
 

@@ -68,17 +68,12 @@ def batch_sums(
 
 def _losses_and_predictions(model: keras.Model, inputs, labels, loss_fn: LossFn, training: bool):
     """Per-label losses and predicted classes. A model with a `loss_chunk` (the language models'
-    setting for large vocabularies) computes them itself from the labels, chunk by chunk, and
-    never holds the whole logits; its loss is softmax cross-entropy of integer labels."""
+    setting for large vocabularies) computes them itself from the labels and `loss_fn`, chunk
+    by chunk, and never holds the whole logits."""
     if getattr(model, "loss_chunk", None) is None:
         logits = tf.cast(model(inputs, training=training), tf.float32)
         return loss_fn(logits, labels), tf.argmax(logits, -1, output_type=tf.int32)
-    if loss_fn is not cross_entropy or labels.dtype.is_floating:
-        raise ValueError(
-            f"the model computes softmax cross-entropy of integer labels itself (loss_chunk="
-            f"{model.loss_chunk}); for another loss or soft labels, set loss_chunk=None"
-        )
-    return model(inputs, training=training, labels=labels)
+    return model(inputs, training=training, labels=labels, loss_fn=loss_fn)
 
 
 def _batch_gradients(model: keras.Model, batch, loss_fn: LossFn, reads: WeightReads):

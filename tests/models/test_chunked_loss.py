@@ -1,4 +1,4 @@
-"""Chunked cross-entropy: the whole logits' losses, predictions and gradients, without the logits.
+"""A loss in chunks: the whole logits' losses, predictions and gradients, without the logits.
 
 Tolerance: the chunks compute the same float32 products as the whole projection; only XLA's and
 Eigen's order of summation differ, about 1e-7 relative; the tests allow 1e-5.
@@ -12,8 +12,8 @@ import pytest
 import tensorflow as tf
 
 from framework import memory, remat
-from framework.models import chunked_loss, language, transformer
-from framework.models.chunked_loss import chunked_cross_entropy
+from framework.models import language, transformer
+from framework.models.chunked_loss import chunked_losses
 from framework.trainer import train_step
 from framework.trainer.losses import cross_entropy
 from tests.models.test_attention import TEXT, _error, _text_rows
@@ -25,9 +25,18 @@ LABELS = tf.random.stateless_uniform([2, 13], [7, 8], 0, 50, tf.int32)
 WEIGHTS = tf.random.stateless_normal([2, 13], [9, 10])
 
 
-def _whole(hidden, table, bias):
-    logits = tf.matmul(hidden, table, transpose_b=True) + bias
-    return cross_entropy(logits, LABELS), tf.argmax(logits, -1, output_type=tf.int32)
+SOFT_LABELS = tf.nn.softmax(tf.random.stateless_normal([2, 13, 50], [11, 12]))
+
+
+def _smoothed(logits, labels):
+    return cross_entropy(logits, labels, label_smoothing=0.1)
+
+
+LOSSES = {  # name: (loss_fn, labels)
+    "cross_entropy": (cross_entropy, LABELS),
+    "label_smoothing": (_smoothed, LABELS),
+    "soft_labels": (cross_entropy, SOFT_LABELS),
+}
 
 
 def _run(fn, mode: str) -> list[np.ndarray]:
@@ -42,13 +51,22 @@ def _run(fn, mode: str) -> list[np.ndarray]:
     return [np.asarray(t) for t in compiled(HIDDEN, TABLE, BIAS)]
 
 
+@pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("mode", ["eager", "function", "xla"])
-def test_chunks_give_the_whole_logits_losses_predictions_and_gradients(mode):
-    want = _run(_whole, mode)
+def test_chunks_give_the_whole_logits_losses_predictions_and_gradients(mode, loss):
+    loss_fn, labels = LOSSES[loss]
+
+    def whole(hidden, table, bias):
+        logits = tf.matmul(hidden, table, transpose_b=True) + bias
+        return loss_fn(logits, labels), tf.argmax(logits, -1, output_type=tf.int32)
+
+    want = _run(whole, mode)
     for chunk in (1, 5, 26, 64):  # one token, padded, all tokens in one chunk, more than all
 
         def chunked(hidden, table, bias, chunk=chunk):
-            return chunked_cross_entropy(hidden, table, LABELS, bias=bias, chunk_size=chunk)
+            return chunked_losses(
+                hidden, table, labels, chunk_size=chunk, loss_fn=loss_fn, bias=bias
+            )
 
         got = _run(chunked, mode)
         np.testing.assert_array_equal(got[1], want[1])
@@ -77,7 +95,7 @@ def test_the_loss_holds_no_logits():
         return cross_entropy(tf.matmul(hidden, table, transpose_b=True), labels)
 
     def chunked(hidden, table, labels):
-        return chunked_cross_entropy(hidden, table, labels, chunk_size=64)[0]
+        return chunked_losses(hidden, table, labels, chunk_size=64)[0]
 
     specs = (
         tf.TensorSpec([4, 512, dim]),
@@ -93,11 +111,9 @@ def test_the_loss_holds_no_logits():
     assert temps["chunked"] < 4 * 64 * vocab * 4 + 2 * table_bytes, temps
 
 
-def test_default_chunk_keeps_a_chunks_logits_near_64_mib():
-    assert chunked_loss.default_chunk(32_000) == 512
-    assert chunked_loss.default_chunk(256_000) == 64
+def test_a_chunk_size_below_one_is_refused():
     with pytest.raises(ValueError, match="chunk_size must be positive"):
-        chunked_cross_entropy(HIDDEN, TABLE, LABELS, chunk_size=0)
+        chunked_losses(HIDDEN, TABLE, LABELS, chunk_size=0)
 
 
 def _batch(kind: str):
@@ -145,16 +161,37 @@ def test_the_trainers_sums_and_gradients_are_those_of_the_whole_logits(kind, mod
         assert _error(got, want) < 1e-5, policy
 
 
-def test_a_chunked_loss_refuses_another_loss():
-    model = language.DecoderLM(**TEXT, loss_chunk=4)
+def test_the_trainers_own_loss_is_computed_in_chunks():
+    """The trainer's loss (here with label smoothing) reaches the chunks: the same sums and
+    gradients as over the whole logits."""
+    keras.utils.set_random_seed(0)
+    whole = language.DecoderLM(**TEXT)
+    chunked = language.DecoderLM(**TEXT, loss_chunk=4)
+    transformer.copy_weights(whole, chunked)
     batch = _batch("decoder")
-
-    def smoothed(logits, labels):
-        return cross_entropy(logits, labels, label_smoothing=0.1)
-
-    with pytest.raises(ValueError, match="set loss_chunk=None"):
-        train_step.batch_sums(model, batch, smoothed)
+    want_sums, want = _sums_and_gradients(whole, batch, "xla", _smoothed)
+    sums, got = _sums_and_gradients(chunked, batch, "xla", _smoothed)
+    np.testing.assert_allclose(sums, want_sums, rtol=1e-5)
+    assert _error(got, want) < 1e-5
     with pytest.raises(ValueError, match="give it loss_chunk"):
         language.DecoderLM(**TEXT)(batch[0], labels=batch[1])
     with pytest.raises(ValueError, match="loss_chunk must be a positive"):
         language.DecoderLM(**TEXT, loss_chunk=0)
+
+
+def test_mixed_bfloat16_chunks_match_the_whole_logits():
+    """Under mixed_bfloat16 both paths project in float32 from the same bfloat16 hidden states
+    and tied table: the same sums and gradients (measured 4e-8 apart; 1e-5 allowed)."""
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        keras.utils.set_random_seed(0)
+        whole = language.DecoderLM(**TEXT)
+        chunked = language.DecoderLM(**TEXT, loss_chunk=5)
+        transformer.copy_weights(whole, chunked)
+        batch = _batch("decoder")
+        want_sums, want = _sums_and_gradients(whole, batch, "xla")
+        sums, got = _sums_and_gradients(chunked, batch, "xla")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    np.testing.assert_allclose(sums, want_sums, rtol=1e-5)
+    assert _error(got, want) < 1e-5
