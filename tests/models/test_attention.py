@@ -418,3 +418,15 @@ def test_keras_hub_blockwise_attention_with_dropout_under_remat():
     model(inputs)
     attention.use_blockwise_attention(model)
     _check(model, inputs, "xla")
+
+
+def test_a_batch_known_only_when_the_step_runs():
+    """A serving signature's batch is None: blockwise attention then takes it from the tensors
+    (dropout too), and gives plain attention's result."""
+    kwargs = {**VISIBILITY["causal"], "dropout_rate": 0.2, "dropout_seed": SEED}
+    spec = tf.TensorSpec([None, LENGTH, HEADS, DEPTH])
+    plain = tf.function(lambda q, k, v: plain_attention(q, k, v, **kwargs))
+    blockwise = tf.function(lambda q, k, v: blockwise_attention(q, k, v, chunk_size=8, **kwargs))
+    got = blockwise.get_concrete_function(spec, spec, spec)(*_qkv())
+    want = plain.get_concrete_function(spec, spec, spec)(*_qkv())
+    assert _relative(got.numpy(), want.numpy()) < 1e-5
