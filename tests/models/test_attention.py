@@ -430,3 +430,13 @@ def test_a_batch_known_only_when_the_step_runs():
     got = blockwise.get_concrete_function(spec, spec, spec)(*_qkv())
     want = plain.get_concrete_function(spec, spec, spec)(*_qkv())
     assert _relative(got.numpy(), want.numpy()) < 1e-5
+
+
+def test_a_checkpoint_of_plain_attention_restores_into_blockwise(tmp_path):
+    keras.utils.set_random_seed(0)
+    plain = language.DecoderLM(**TEXT)
+    path = tf.train.Checkpoint(model=plain).save(str(tmp_path / "ckpt"))
+    blockwise = language.DecoderLM(**TEXT, attention="blockwise", loss_chunk=4)
+    tf.train.Checkpoint(model=blockwise).restore(path).assert_consumed()
+    rows = _text_rows()
+    assert _relative(blockwise(rows).numpy(), plain(rows).numpy()) < 1e-5
