@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import keras
 import tensorflow as tf
+from keras import ops
 
 from framework.core import tf_internals
 from framework.models.dropout import keep_mask, keep_window, mask_key
@@ -69,16 +70,19 @@ def plain_attention(
     Scores and softmax in float32; dropout (when `dropout_seed` is given) on the probabilities.
     """
     _check_rate(dropout_rate)
-    logits = tf.einsum("bqhd,bkhd->bhqk", query, key) * (query.shape[-1] ** -0.5)
-    logits = tf.cast(logits, tf.float32)
+    # Keras' ops, as the models' attention has always been written: XLA's schedule of the step
+    # (and so its memory, under some schedulers) depends on the exact ops.
+    logits = ops.einsum("bqhd,bkhd->bhqk", query, key) * (query.shape[-1] ** -0.5)
+    logits = ops.cast(logits, "float32")
     visible = _dense_visible(mask, segment_ids, causal)
     if visible is not None:
-        logits = tf.where(visible, logits, _MASKED)
-    weights = tf.cast(tf.nn.softmax(logits, axis=-1), query.dtype)
+        logits = ops.where(visible, logits, _MASKED)
+    weights = ops.cast(ops.softmax(logits, axis=-1), query.dtype)
     if dropout_seed is not None and dropout_rate > 0:
         keep = keep_mask(_static_or_dynamic(weights), dropout_rate, dropout_seed)
-        weights = tf.where(keep, weights * tf.cast(1 / (1 - dropout_rate), weights.dtype), 0)
-    return tf.einsum("bhqk,bkhd->bqhd", weights, value)
+        scaled = weights * tf.cast(1 / (1 - dropout_rate), weights.dtype)
+        weights = tf.where(keep, scaled, tf.zeros([], weights.dtype))
+    return ops.einsum("bhqk,bkhd->bqhd", weights, value)
 
 
 def _check_rate(rate: float) -> None:
