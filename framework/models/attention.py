@@ -34,7 +34,7 @@ import tensorflow as tf
 from keras import ops
 
 from framework.core import tf_internals
-from framework.models.dropout import keep_mask, keep_window, mask_key
+from framework.models.dropout import dropped, keep_mask, keep_window, mask_key
 
 _MASKED = -1e9  # the score of a key a query does not see
 DEFAULT_CHUNK = 512
@@ -69,7 +69,7 @@ def plain_attention(
 
     Scores and softmax in float32; dropout (when `dropout_seed` is given) on the probabilities.
     """
-    _check_rate(dropout_rate)
+    _check_arguments(dropout_rate, segment_ids, causal)
     # Keras' ops, as the models' attention has always been written: XLA's schedule of the step
     # (and so its memory, under some schedulers) depends on the exact ops.
     logits = ops.einsum("bqhd,bkhd->bhqk", query, key) * (query.shape[-1] ** -0.5)
@@ -80,21 +80,20 @@ def plain_attention(
     weights = ops.cast(ops.softmax(logits, axis=-1), query.dtype)
     if dropout_seed is not None and dropout_rate > 0:
         keep = keep_mask(_static_or_dynamic(weights), dropout_rate, dropout_seed)
-        scaled = weights * tf.cast(1 / (1 - dropout_rate), weights.dtype)
-        weights = tf.where(keep, scaled, tf.zeros([], weights.dtype))
+        weights = dropped(weights, keep, dropout_rate)
     return ops.einsum("bhqk,bkhd->bqhd", weights, value)
 
 
-def _check_rate(rate: float) -> None:
-    if not 0 <= rate < 1:
-        raise ValueError(f"attention's dropout_rate must be in [0, 1), got {rate}")
+def _check_arguments(dropout_rate: float, segment_ids, causal: bool) -> None:
+    if not 0 <= dropout_rate < 1:
+        raise ValueError(f"attention's dropout_rate must be in [0, 1), got {dropout_rate}")
+    if causal and segment_ids is None:
+        raise ValueError("causal attention here needs segment_ids (all zeros for one segment)")
 
 
 def _dense_visible(mask, segment_ids, causal):
     visible = mask
-    if segment_ids is not None or causal:
-        if segment_ids is None:
-            raise ValueError("causal attention here needs segment_ids (all zeros for one segment)")
+    if segment_ids is not None:
         documents = document_mask(segment_ids, causal)
         visible = documents if visible is None else tf.logical_and(visible, documents)
     return visible
@@ -130,12 +129,10 @@ def blockwise_attention(
     give `segment_ids` and `causal` rather than a dense mask where they say the same: the dense
     mask is itself S x S (booleans).
     """
-    _check_rate(dropout_rate)
+    _check_arguments(dropout_rate, segment_ids, causal)
     length = query.shape[1]
     if length is None:
         raise ValueError("blockwise_attention needs a static sequence length (query.shape[1])")
-    if causal and segment_ids is None:
-        raise ValueError("causal attention here needs segment_ids (all zeros for one segment)")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"blockwise_attention's chunk_size must be positive, got {chunk_size}")
     chunk = min(chunk_size or default_chunk(length), length)
@@ -232,8 +229,7 @@ class _Chunks:
             [0, 0, i * self.chunk, j * self.chunk],
             self.probability_shape,
         )
-        keep = keep_window(self.full_shape, window, rate, key)
-        return tf.where(keep, x * tf.cast(1 / (1 - rate), x.dtype), 0)
+        return dropped(x, keep_window(self.full_shape, window, rate, key), rate)
 
 
 def _pad_mask(mask: tf.Tensor, plan: _Chunks) -> tf.Tensor:

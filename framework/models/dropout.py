@@ -116,6 +116,11 @@ def keep_window(shape: tf.TensorShape, window: Window, rate: float, key: tf.Tens
     return _keep(_offset_index(shape, key[0], window), rate, key[1])
 
 
+def dropped(x: tf.Tensor, keep: tf.Tensor, rate: float) -> tf.Tensor:
+    """`x` where `keep` holds, scaled by 1 / (1 - rate); zero elsewhere."""
+    return tf.where(keep, x * tf.cast(1 / (1 - rate), x.dtype), tf.zeros([], x.dtype))
+
+
 def _keep(index: tf.Tensor, rate: float, second_word: tf.Tensor) -> tf.Tensor:
     bits = _mix(tf.bitwise.bitwise_xor(_mix(index), second_word))
     threshold = min(round(rate * 2**32), 2**32 - 1)
@@ -136,8 +141,7 @@ class Dropout(keras.layers.Dropout):
         if self.rate >= 1:
             return tf.zeros_like(inputs)
         keep = keep_mask(self._mask_shape(inputs), self.rate, self.seed_generator.next())
-        scaled = inputs * tf.cast(1 / (1 - self.rate), inputs.dtype)
-        return tf.where(keep, scaled, tf.zeros([], inputs.dtype))
+        return dropped(inputs, keep, self.rate)
 
     def _mask_shape(self, inputs: tf.Tensor) -> tf.TensorShape | tf.Tensor:
         """`noise_shape` with its None entries taken from `inputs` (static where known)."""

@@ -161,16 +161,25 @@ def test_the_trainers_sums_and_gradients_are_those_of_the_whole_logits(kind, mod
         assert _error(got, want) < 1e-5, policy
 
 
-def test_the_trainers_own_loss_is_computed_in_chunks():
+def test_the_trainers_own_loss_is_computed_in_chunks(monkeypatch):
     """The trainer's loss (here with label smoothing) reaches the chunks: the same sums and
-    gradients as over the whole logits."""
+    gradients as over the whole logits, and the chunked path really ran (its calls counted)."""
+    calls = []
+    chunked_losses_fn = language.chunked_losses
+    monkeypatch.setattr(
+        language,
+        "chunked_losses",
+        lambda *a, **k: calls.append(k["loss_fn"]) or chunked_losses_fn(*a, **k),
+    )
     keras.utils.set_random_seed(0)
     whole = language.DecoderLM(**TEXT)
     chunked = language.DecoderLM(**TEXT, loss_chunk=4)
     transformer.copy_weights(whole, chunked)
     batch = _batch("decoder")
     want_sums, want = _sums_and_gradients(whole, batch, "xla", _smoothed)
+    assert not calls
     sums, got = _sums_and_gradients(chunked, batch, "xla", _smoothed)
+    assert calls == [_smoothed]
     np.testing.assert_allclose(sums, want_sums, rtol=1e-5)
     assert _error(got, want) < 1e-5
     with pytest.raises(ValueError, match="give it loss_chunk"):
