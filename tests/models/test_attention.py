@@ -440,3 +440,38 @@ def test_a_checkpoint_of_plain_attention_restores_into_blockwise(tmp_path):
     tf.train.Checkpoint(model=blockwise).restore(path).assert_consumed()
     rows = _text_rows()
     assert _relative(blockwise(rows).numpy(), plain(rows).numpy()) < 1e-5
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_model_fit_of_a_keras_hub_classifier_attending_blockwise(jit_compile, monkeypatch):
+    """`model.fit` of keras-hub's ViT under a classification head: the same losses per epoch
+    with the one-liner as without it, and its blockwise path traced."""
+    from tests.remat.test_user_models import _hub
+
+    calls = []
+    blockwise = attention.blockwise_attention
+    monkeypatch.setattr(
+        attention, "blockwise_attention", lambda *a, **k: calls.append(1) or blockwise(*a, **k)
+    )
+    images = tf.random.stateless_normal((8, 32, 32, 3), [5, 6])
+    labels = tf.constant([0, 1, 2, 3] * 2)
+
+    def history(use_blockwise: bool) -> list[float]:
+        backbone, _ = _hub("vit", dropout=0.0)
+        if use_blockwise:
+            attention.use_blockwise_attention(backbone, chunk_size=5)
+        model = keras.Sequential(
+            [backbone, keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)]
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=jit_compile,
+        )
+        return model.fit(images, labels, batch_size=4, epochs=2, verbose=0).history["loss"]
+
+    want = history(False)
+    assert not calls
+    got = history(True)
+    assert calls
+    np.testing.assert_allclose(got, want, rtol=1e-5)
