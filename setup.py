@@ -7,6 +7,17 @@ from setuptools import find_packages, setup
 # way in, and `jax[tpu]==0.10.2` pins this libtpu. framework/core/jax_internals.py names the same
 # releases; keep the two in step.
 TPU_COMPILER = ["jax==0.10.2", "jaxlib==0.10.2", "libtpu==0.0.42.*"]
+# XLA's GPU compiler, for plans made for an NVIDIA GPU on any host (`target="p100"`,
+# `--target=a100-40gb`): jax's CUDA plugin (released with jax, the same version) and CUDA 12's
+# ptxas, which still assembles for the P100 and V100 (CUDA 13's dropped them). Not `jax[cuda12]`:
+# its cuDNN, cuBLAS and NCCL wheels (about 4 GB) run kernels, and nothing runs here.
+GPU_COMPILER = [
+    "jax==0.10.2",
+    "jaxlib==0.10.2",
+    "jax-cuda12-plugin==0.10.2",
+    "jax-cuda12-pjrt==0.10.2",
+    "nvidia-cuda-nvcc-cu12>=12.6,<13",
+]
 
 setup(
     name="framework",
@@ -33,10 +44,12 @@ setup(
         # runs beside TensorFlow 2.20 and 2.21 (protobuf, numpy 2).
         "tfds": ["tensorflow-datasets>=4.9.10,<5"],
         "tpu": TPU_COMPILER,
+        "gpu": GPU_COMPILER,
         # pytest-xdist: the README's test command runs the suite in 2 worker processes.
         # keras-hub: remat is tested on its backbones (tests/remat/test_user_models.py); 0.32
         # needs keras>=3.15 and tensorflow-text>=2.20.1, which both supported TensorFlows take.
-        # The TPU compiler: TPU plans are tested on small steps (tests/memory/test_tpu.py).
+        # The TPU and GPU compilers: their plans are tested on small steps
+        # (tests/memory/test_tpu.py, tests/memory/test_gpu.py).
         "test": [
             "pytest>=8",
             "pytest-xdist>=3.6",
@@ -44,6 +57,7 @@ setup(
             "tensorflow-datasets>=4.9.10,<5",
             "keras-hub>=0.32,<0.33",
             *TPU_COMPILER,
+            *GPU_COMPILER,
         ],
     },
     entry_points={

@@ -148,8 +148,9 @@ def resolve_auto_policy(
     """Replaces `Trainer.remat_policy = "auto"` by the planner's pick for --memory_budget (and
     `Trainer.shard_state` by its level, among --shard_states) and returns the action that puts
     the run's measured peak beside the budget (None without auto).
-    With `Runtime.accelerator_type` bound, the plan is the TPU compiler's for that chip and the
-    budget defaults to its HBM.
+    With `Runtime.accelerator_type` bound, the plan is the TPU compiler's for that chip; on a
+    host with a GPU, that GPU's compiler's (`planner.plan_target`); the budget defaults to the
+    device's memory.
 
     The plan (`plan.json`, `plan.png`) is written to model_dir beside the run, and the pick is
     bound in gin so that the `config.gin` of the run names the policy it trained with. On a CPU
@@ -165,25 +166,21 @@ def resolve_auto_policy(
                 f"--gin.{name}=\"'auto'\""
             )
         return None
-    target = cli.bound_value("Runtime.accelerator_type")
+    from framework import memory, planner
+    from framework.memory import targets
+    from framework.trainer import actions
+
+    accelerator = cli.bound_value("Runtime.accelerator_type")
+    try:
+        target = planner.plan_target(accelerator, FLAGS.measure)
+    except ValueError as error:
+        raise UsageError(f"{name} = 'auto' on Runtime.accelerator_type: {error}") from None
     if budget is None and target is None:
         raise UsageError(
             f"{name} = 'auto' needs --memory_budget, e.g. 16GiB (or Runtime.accelerator_type: "
             "its HBM)"
         )
-    from framework import memory, planner
-    from framework.memory import tpu
-    from framework.trainer import actions
-
-    if target is not None:
-        try:
-            budget = budget or tpu.tpu_chip(target).hbm_bytes
-        except ValueError as error:
-            raise UsageError(f"Runtime.accelerator_type: {error}") from None
-        if FLAGS.measure == "run":
-            raise UsageError(
-                f"{name} = 'auto' on TPU {target} plans with the TPU compiler: drop --measure=run"
-            )
+    budget = budget or (target and targets.target_device(target).memory_bytes)
     memory.enable_cpu_bfc_allocator()
 
     config = planner.RunConfig(files, bindings, FLAGS.gin_search_paths)

@@ -1,14 +1,18 @@
-"""Every private jax, jaxlib and libtpu API the framework relies on, in one place.
+"""Every private jax, jaxlib, libtpu and jax CUDA plugin API the framework relies on, in one place.
 
-libtpu carries the TPU compiler, and its compile-only client compiles a program for a TPU chip
-on a host that has none (the way MaxText's `train_compile.py` plans a v5e-256 job on a CPU VM).
-jax is the only public door to that client, and the door is private: a topology description,
-jaxlib's MLIR bindings and jax's compile options. Each wrapper here is small, so a jax release
-that moves one of them breaks one function, and `SUPPORTED_JAX` says which releases were checked.
+libtpu carries the TPU compiler, and jax's CUDA plugin XLA's GPU compiler; each has a
+compile-only client that compiles a program for a device this host does not have (the way
+MaxText's `train_compile.py` plans a v5e-256 job on a CPU VM). jax is the only public door to
+those clients, and the door is private: a topology description, jaxlib's MLIR bindings and jax's
+compile options. Each wrapper here is small, so a jax release that moves one of them breaks one
+function, and `SUPPORTED_JAX` says which releases were checked.
 
-The packages are the `tpu` extra (`pip install -e ".[tpu]"`); importing this module without them
-raises `MissingDependency` with that command, and with other releases warns
-(`UnsupportedJaxWarning`) but goes on, as `tf_internals` does for TensorFlow.
+The packages are the `tpu` extra (`pip install -e ".[tpu]"`) and the `gpu` extra (`".[gpu]"`);
+importing this module without jax, or asking for a TPU without libtpu or for a GPU without the
+CUDA plugin, raises `MissingDependency` with the command; other releases warn
+(`UnsupportedJaxWarning`) but go on, as `tf_internals` does for TensorFlow. jax itself only
+compiles here and runs on the host's CPU (`run_on_cpu_replicas`): it never claims an accelerator
+the TensorFlow run holds.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ from collections.abc import Iterator
 
 from framework.core.errors import MissingDependency
 
-# The jax/jaxlib release the TPU compile-only path was tested with, and the libtpu release its
-# `tpu` extra pins (jax 0.10.2 -> libtpu 0.0.42.*). Keep in step with setup.py's `tpu` extra.
+# The jax/jaxlib release the compile-only paths were tested with, the libtpu release its `tpu`
+# extra pins (jax 0.10.2 -> libtpu 0.0.42.*), and the CUDA plugin's (released with jax, the same
+# version). Keep in step with setup.py's `tpu` and `gpu` extras.
 SUPPORTED_JAX = ("0.10.2",)
 SUPPORTED_LIBTPU = ("0.0.42",)
 
 INSTALL_HINT = 'pip install -e ".[tpu]"'
+GPU_INSTALL_HINT = 'pip install -e ".[gpu]"'
 
 try:
     import jax
@@ -44,21 +50,26 @@ try:
     from jaxlib import _jax
 except ImportError as error:  # the extra is not installed
     raise MissingDependency(
-        f"planning for a TPU chip needs jax, jaxlib and libtpu ({error.name} is missing): "
-        f"{INSTALL_HINT}"
+        f"planning for a TPU chip or a GPU needs jax ({error.name} is missing): {INSTALL_HINT} "
+        f"(a TPU) or {GPU_INSTALL_HINT} (a GPU)"
     ) from None
 
-# What libtpu prints to stderr when it starts on a host that is not a TPU VM: it cannot find the
-# accelerator type and the worker hostnames in the VM's metadata. The compile-only client does not
-# need either. Any other line is passed through.
+# jax compiles for the named devices and runs on the CPU only: started on a GPU host, it would
+# otherwise initialise the GPU beside TensorFlow (and reserve most of its memory), and its CUDA
+# plugin, started on a host without one, leaves no compile-only CUDA devices.
+jax.config.update("jax_platforms", "cpu")
+
+# What libtpu prints to stderr when it starts on a host that is not a TPU VM (it cannot find the
+# accelerator type and the worker hostnames in the VM's metadata), and the CUDA plugin on a host
+# without a GPU driver. The compile-only clients need neither. Any other line is passed through.
 _START_UP_NOISE = re.compile(
     r"TPU_ACCELERATOR_TYPE|TPU_WORKER_HOSTNAMES|Logging before InitGoogle|"
-    r"Source Location Trace|libtpu_init_utils|Failed to find host bounds"
+    r"Source Location Trace|libtpu_init_utils|Failed to find host bounds|failed call to cuInit"
 )
 
 
 def versions() -> dict[str, str]:
-    """The installed jax, jaxlib and libtpu releases."""
+    """The installed jax, jaxlib, libtpu and jax CUDA plugin releases ("missing" if not)."""
     from importlib import metadata
 
     def version(name: str) -> str:
@@ -67,33 +78,53 @@ def versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             return "missing"
 
-    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "libtpu": version("libtpu")}
+    return {
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "libtpu": version("libtpu"),
+        "jax-cuda12-plugin": version("jax-cuda12-plugin"),
+    }
 
 
-def unsupported_versions_message() -> str | None:
-    """What to tell a user whose jax or libtpu is not the tested pair, or None."""
+def unsupported_versions_message(platform: str = "tpu") -> str | None:
+    """What to tell a user whose jax, and libtpu ("tpu") or CUDA plugin ("gpu"), are not the
+    tested releases, or None."""
     found = versions()
+    if platform == "tpu":
+        compiler, tested, hint = "libtpu", f"{'/'.join(SUPPORTED_LIBTPU)}.*", INSTALL_HINT
+    else:
+        compiler, tested, hint = "jax-cuda12-plugin", "/".join(SUPPORTED_JAX), GPU_INSTALL_HINT
     if found["jax"] in SUPPORTED_JAX and found["jaxlib"] in SUPPORTED_JAX:
-        if any(found["libtpu"].startswith(v) for v in SUPPORTED_LIBTPU):
+        if any(found[compiler].startswith(v) for v in tested.rstrip(".*").split("/")):
             return None
     return (
-        f"jax {found['jax']}, jaxlib {found['jaxlib']} and libtpu {found['libtpu']} are "
-        f"installed; the TPU compile-only path was tested with jax and jaxlib "
-        f"{'/'.join(SUPPORTED_JAX)} and libtpu {'/'.join(SUPPORTED_LIBTPU)}.*: {INSTALL_HINT}"
+        f"jax {found['jax']}, jaxlib {found['jaxlib']} and {compiler} {found[compiler]} are "
+        f"installed; the {platform.upper()} compile-only path was tested with jax and jaxlib "
+        f"{'/'.join(SUPPORTED_JAX)} and {compiler} {tested}: {hint}"
     )
 
 
 class UnsupportedJaxWarning(UserWarning):
-    """The installed jax, jaxlib or libtpu is not the tested release."""
+    """The installed jax, jaxlib, libtpu or CUDA plugin is not the tested release."""
 
 
-if (_message := unsupported_versions_message()) is not None:
-    warnings.warn(_message, UnsupportedJaxWarning, stacklevel=2)
+@functools.cache
+def require_compiler(platform: str) -> None:
+    """Raises `MissingDependency` when the compiler of `platform` ("tpu" or "gpu") is not
+    installed; warns once when it is not the tested release."""
+    package = {"tpu": "libtpu", "gpu": "jax-cuda12-plugin"}[platform]
+    if versions()[package] == "missing":
+        hint = INSTALL_HINT if platform == "tpu" else GPU_INSTALL_HINT
+        device = "a TPU chip" if platform == "tpu" else "a GPU"
+        raise MissingDependency(f"planning for {device} needs {package}: {hint}")
+    if (message := unsupported_versions_message(platform)) is not None:
+        warnings.warn(message, UnsupportedJaxWarning, stacklevel=3)
 
 
 @contextlib.contextmanager
 def _quiet_start_up() -> Iterator[None]:
-    """Holds back libtpu's start-up warnings (written by C++ straight to file descriptor 2)."""
+    """Holds back the compilers' start-up warnings (written by C++ straight to file
+    descriptor 2)."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile(mode="w+b") as captured:
@@ -116,6 +147,7 @@ def tpu_topology_devices(
     """The devices of a compile-only TPU topology, e.g. ("v5e:2x4", "default") for a v5e-8
     slice or ("v4:2x2x1", "megacore"); a "megacore" device is one chip's two TensorCores as
     one. `chips_per_host` bounds one host's chips (the whole topology by default: one host)."""
+    require_compiler("tpu")
     chips = tuple(int(n) for n in topology.split(":")[1].split("x"))
     # libtpu takes a host-wide lock file when it starts, so that two processes do not drive one
     # TPU. A compile-only client drives none, and the planner's compile workers each start one.
@@ -161,15 +193,29 @@ def _stablehlo(hlo_module: bytes) -> _ir.Module:
     return module
 
 
+@functools.cache
+def cuda_device(target_config: str):
+    """A compile-only CUDA device for the GPU a `GpuTargetConfigProto` in text form describes
+    (the card's SMs, memory, clocks, compute capability: `memory.gpu.target_config`)."""
+    require_compiler("gpu")
+    with _quiet_start_up():
+        description = _topologies.get_topology_desc(
+            platform="cuda", target_config=target_config, topology="1x1x1"
+        )
+    return description.devices[0]
+
+
 @dataclasses.dataclass(frozen=True)
-class TpuCompilation:
-    """What libtpu's compiler reports for one program.
+class Compilation:
+    """What a compile-only client's compiler reports for one program.
 
     Attributes:
       hlo_proto: the optimised program with its buffer assignment, a serialized `HloProto`.
       argument_bytes / output_bytes / alias_bytes / temp_bytes / generated_code_bytes: the
-        compiler's memory statistics, in HBM (outputs that alias an argument count in both).
-      flops: the compiler's cost analysis of the optimised program.
+        compiler's memory statistics, in device memory (outputs that alias an argument count
+        in both).
+      flops: the compiler's cost analysis of the optimised program; None where the client has
+        none (the GPU's).
     """
 
     hlo_proto: bytes
@@ -178,7 +224,7 @@ class TpuCompilation:
     alias_bytes: int
     temp_bytes: int
     generated_code_bytes: int
-    flops: float
+    flops: float | None
 
 
 # Compile options the compiler reads from the executable's build options rather than from its
@@ -191,21 +237,25 @@ _BUILD_OPTIONS = {
 }
 
 
-def compile_for_tpu(
-    hlo_module: bytes, device, compiler_flags: dict[str, str] | None = None
-) -> TpuCompilation:
-    """Compiles a serialized HloModuleProto for `device` (see `tpu_device`), or for a tuple of
-    devices as one replica each (a program with collectives among them), running nothing.
+def compile_only(
+    hlo_module: bytes, device, compiler_flags: dict[str, str | bool] | None = None
+) -> Compilation:
+    """Compiles a serialized HloModuleProto for a compile-only `device` (`tpu_device`,
+    `cuda_device`), or for a tuple of devices as one replica each (a program with collectives
+    among them), running nothing.
 
-    `compiler_flags` are libtpu flags for this compilation only, e.g.
-    {"xla_tpu_max_hbm_size_mib": "8192"} (no leading dashes), or XLA's build options by name
+    `compiler_flags` are the compiler's flags for this compilation only, e.g.
+    {"xla_tpu_max_hbm_size_mib": "8192"}, {"xla_gpu_enable_triton_gemm": False} (no leading
+    dashes; booleans as Python's), or XLA's build options by name
     ({"exec_time_optimization_effort": "-1"}, {"optimization_level": "O1"}). The buffer
     assignment comes from a dump of the optimised module into a temporary directory, the one
-    place libtpu writes it. The statistics are one replica's (each runs the same program).
+    place the clients write it (the GPU compiler dumps its autotuning candidates beside it, as
+    later modules). The statistics are one replica's (each runs the same program).
     """
     devices = tuple(device) if isinstance(device, (tuple, list)) else (device,)
     overrides = {
-        name: _BUILD_OPTIONS.get(name, str)(value) for name, value in (compiler_flags or {}).items()
+        name: value if isinstance(value, bool) else _BUILD_OPTIONS.get(name, str)(value)
+        for name, value in (compiler_flags or {}).items()
     }
     options = _compiler.get_compile_options(
         len(devices), 1, device_assignment=list(devices), env_options_overrides=overrides
@@ -220,19 +270,23 @@ def compile_for_tpu(
             executable_devices=_jax.DeviceList(devices),
             compile_options=options,
         )
-        (optimised,) = glob.glob(os.path.join(dump, "*.after_optimizations.hlo.pb"))
+        # The program is the first module compiled: "module_0001.<name>...".
+        optimised = min(glob.glob(os.path.join(dump, "*after_optimizations.hlo.pb")))
         with open(optimised, "rb") as proto:
             hlo_proto = proto.read()
     stats = executable.get_compiled_memory_stats()
-    cost = executable.cost_analysis()
-    return TpuCompilation(
+    try:
+        flops = float(executable.cost_analysis().get("flops", 0.0))
+    except _jax.JaxRuntimeError:  # UNIMPLEMENTED on the GPU's compile-only client
+        flops = None
+    return Compilation(
         hlo_proto=hlo_proto,
         argument_bytes=stats.argument_size_in_bytes,
         output_bytes=stats.output_size_in_bytes,
         alias_bytes=stats.alias_size_in_bytes,
         temp_bytes=stats.temp_size_in_bytes,
         generated_code_bytes=stats.generated_code_size_in_bytes,
-        flops=float(cost.get("flops", 0.0)),
+        flops=flops,
     )
 
 

@@ -4,7 +4,8 @@
   `TF_CPU_ALLOCATOR_USE_BFC=true` before TensorFlow starts; see `enable_cpu_bfc_allocator`).
 - `compiled_bytes(fn, *args)`: compile a `jit_compile=True` function and read XLA's buffer
   assignment (total, parameters, temps, the buffers live at the peak), without running it;
-  `target="v5e"` compiles it for a TPU chip with libtpu's compiler, on any host (`tpu.py`).
+  `target="v5e"` compiles it for a TPU chip with libtpu's compiler (`tpu.py`), `target="p100"`
+  for an NVIDIA GPU with XLA's GPU compiler (`gpu.py`), on any host.
 - `parse_bytes` / `format_bytes`: "16GiB" <-> bytes, for budgets given on the command line.
 """
 

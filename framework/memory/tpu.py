@@ -42,6 +42,16 @@ class TpuChip:
     hbm_bytes: int
     peak_flops: float
 
+    @property
+    def memory_bytes(self) -> int:
+        """The chip's memory (HBM), under the name a GPU card's has."""
+        return self.hbm_bytes
+
+    def peak(self, precision: str = "bfloat16") -> float:
+        """Peak FLOP/s of matrix products: the MXU's bfloat16 rate, at which XLA:TPU also
+        multiplies float32 at its default precision."""
+        return self.peak_flops
+
 
 GIB = 1024**3
 
@@ -212,7 +222,7 @@ def compile_for_chip(
 
     topology, chips_per_host = slice_topology(chip, replicas)
     devices = jax_internals.tpu_topology_devices(topology, chip.chip_config, chips_per_host)
-    compiled = jax_internals.compile_for_tpu(
+    compiled = jax_internals.compile_only(
         lower_random_for_tpu(hlo_module), devices[:replicas], compiler_flags
     )
     slice_name = f", one of {replicas} chips" if replicas > 1 else ""

@@ -261,9 +261,10 @@ def compiled_bytes(
       fn: the jit-compiled function.
       *args: its positional arguments.
       target: None for the XLA compiler of the device `fn` would run on (labelled "XLA:CPU",
-        "XLA:GPU", ...), or a TPU chip ("v5e", "v4", "v5p-8", ...; see `tpu.tpu_chip`) to
-        compile for it with libtpu's compiler on this host, with or without a TPU (the `tpu`
-        extra).
+        "XLA:GPU", ...); a TPU chip ("v5e", "v4", "v5p-8", ...; see `tpu.tpu_chip`) to compile
+        for it with libtpu's compiler (the `tpu` extra), or an NVIDIA GPU ("p100", "v100",
+        "a100-40gb", "h100", ...; see `gpu.gpu_card`) to compile for it with XLA's GPU compiler
+        (the `gpu` extra); on this host, with or without that device.
       **kwargs: its keyword arguments.
     """
     if not is_jit_compiled(fn):
@@ -273,9 +274,9 @@ def compiled_bytes(
         )
     ir = fn.experimental_get_compiler_ir(*args, **kwargs)
     if target is not None:
-        from framework.memory import tpu
+        from framework.memory import targets
 
-        return tpu.compile_for_chip(ir(stage="hlo_serialized"), tpu.tpu_chip(target))
+        return targets.compile_for_target(ir(stage="hlo_serialized"), target)
     proto = hlo_pb2.HloProto.FromString(ir(stage="optimized_hlo_proto_serialized"))
     return memory_from_hlo_proto(proto, compiler=xla_compiler())
 

@@ -12,7 +12,13 @@ and one setting's leftovers must not count against the next. `sweep.py` puts the
 from framework.planner.choose import Plan, choose
 from framework.planner.measurement import Measurement
 from framework.planner.report import table, verdict, write_plan
-from framework.planner.sweep import ConfigError, RunConfig, make_plan, measure_combination
+from framework.planner.sweep import (
+    ConfigError,
+    RunConfig,
+    make_plan,
+    measure_combination,
+    plan_target,
+)
 
 __all__ = [
     "ConfigError",
@@ -22,6 +28,7 @@ __all__ = [
     "choose",
     "make_plan",
     "measure_combination",
+    "plan_target",
     "table",
     "verdict",
     "write_plan",

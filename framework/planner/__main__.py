@@ -1,7 +1,8 @@
 """Answers "will this config fit, and what is the fastest setting that does?" before a run:
 `python -m framework.planner --gin_file=... --memory_budget=16GiB [--policies=...]
-[--batch_sizes=...]`, or for a TPU chip on any host: `--target=v5e` (the budget defaults to the
-chip's HBM).
+[--batch_sizes=...]`, or for a TPU chip or an NVIDIA GPU on any host: `--target=v5e`,
+`--target=p100` (the budget defaults to the device's memory). On a host with a GPU, a plan that
+compiles is that GPU's compiler's.
 
 It takes the trainer's gin flags, measures the real train step of that config for each remat policy
 and batch size (each in a fresh process, see `framework.planner`), prints a table and the pick,
@@ -20,17 +21,19 @@ from framework.core.errors import UsageError
 
 cli.define_config_flags()
 cli.define_budget_flags(
-    "The plan picks the fastest setting that fits it. Required, unless --target names a chip "
-    "(then its HBM)."
+    "The plan picks the fastest setting that fits it. Required, unless --target names a "
+    "device or this host has a GPU (then its memory)."
 )
 flags.DEFINE_string(
     "target",
     None,
-    "Plan for this TPU with libtpu's TPU compiler, on any host (the tpu extra): a chip (v4, "
-    "v5e, v5p, v6e: the batch sizes are per chip) or a slice such as v5e-8 or v5litepod-16 "
-    "(the global batch split over its chips; sharded state cut over them, its collectives "
-    "compiled for all of them). Every setting is compiled, not run; times are the "
-    "compiler's FLOPs at the chip's peak.",
+    "Plan for this device with its own compiler, on any host. A TPU (libtpu's compiler, the "
+    "tpu extra): a chip (v4, v5e, v5p, v6e: the batch sizes are per chip) or a slice such as "
+    "v5e-8 or v5litepod-16 (the global batch split over its chips; sharded state cut over "
+    "them, its collectives compiled for all of them). An NVIDIA GPU (XLA's GPU compiler, the "
+    "gpu extra; batch sizes per card): p100, v100, t4, a100-40gb, a100-80gb, l4, h100, h200, "
+    "b200, or the name CUDA reports. Every setting is compiled, not run; times are the "
+    "program's FLOPs at the device's peak.",
 )
 flags.DEFINE_list(
     "batch_sizes",
@@ -67,20 +70,16 @@ def _batch_sizes() -> list[int | None]:
     return sizes
 
 
-def _target_chip():
-    """The chip --target names (None without it), checked before any worker starts: an
-    unknown name or a missing `tpu` extra is one error line, not one per combination."""
-    if FLAGS.target is None:
-        return None
-    from framework.memory import tpu
+def _target() -> str | None:
+    """The device --target names, or this host's GPU (None: this host's compiler), checked
+    before any worker starts: an unknown name or a missing extra is one error line, not one per
+    combination."""
+    from framework import planner
 
     try:
-        chip = tpu.tpu_chip(FLAGS.target)
+        return planner.plan_target(FLAGS.target, FLAGS.measure)
     except ValueError as error:
         raise UsageError(f"--target: {error}") from None
-    from framework.core import jax_internals  # noqa: F401  (raises MissingDependency, one line)
-
-    return chip
 
 
 def main(argv: Sequence[str]) -> int:
@@ -88,15 +87,16 @@ def main(argv: Sequence[str]) -> int:
     files, bindings = cli.gin_inputs(argv)
     model_dir = cli.model_dir_flag()
     budget = cli.memory_budget_flag()
-    target = _target_chip()
+    target = _target()
     if budget is None and target is None:
         raise UsageError(
-            "--memory_budget is required, e.g. --memory_budget=16GiB (or --target=v5e: its HBM)"
+            "--memory_budget is required, e.g. --memory_budget=16GiB (or --target=v5e or "
+            "--target=p100: its memory)"
         )
     if target is not None:
-        budget = budget or target.hbm_bytes
-        if FLAGS.measure == "run":
-            raise UsageError(f"--target={FLAGS.target} compiles every setting: drop --measure=run")
+        from framework.memory import targets
+
+        budget = budget or targets.target_device(target).memory_bytes
     policies = cli.policies_flag()
     batch_sizes = _batch_sizes()
 
@@ -119,7 +119,7 @@ def main(argv: Sequence[str]) -> int:
             measure=FLAGS.measure,
             search_budget=FLAGS.search_budget,
             compile_processes=FLAGS.compile_processes,
-            target=target and FLAGS.target,
+            target=target,
             shard_states=shard_states,
         )
     except planner.ConfigError as error:

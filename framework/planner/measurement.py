@@ -38,6 +38,10 @@ SKIPPED_STAGE = "skipped"
 RUN, COMPILE = "run", "compile"
 # What a compile worker prints once its trainer is built, before its first result.
 READY = {"ready": True}
+# XLA:GPU rematerializes towards 80% of the card's memory (`xla.GPU_SCHEDULER_SHARE`); a plan
+# above this share of it is compiled again for a card without a limit, to see what that did.
+NEAR_CAPACITY = 0.5
+UNLIMITED_BYTES = 2**50
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +72,10 @@ class Measurement:
         the run's `Runtime.xla_flags`, `xla_memory_limit`, ...), empty ones left out.
       compiler: who planned the compiled figures, e.g. "XLA:CPU" or "TPU v5e (libtpu 0.0.42.1)".
       shard_state: the level of `Trainer.shard_state` the step was planned at.
+      unlimited_peak_bytes: for a GPU target, XLA:GPU's plan of the same program on a card
+        without a memory limit, when the step plans near the card's memory (the compiler's own
+        rematerialization works towards it): above `compiled_peak_bytes`, the compiler
+        recomputed to fit.
     """
 
     policy: str
@@ -87,6 +95,7 @@ class Measurement:
     xla_flags: dict[str, str] | None = None
     compiler: str | None = None
     shard_state: str = "none"
+    unlimited_peak_bytes: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -109,6 +118,13 @@ class Measurement:
     def fit_kind(self) -> str:
         """What `fit_bytes` is, in words: "peak" (measured) or "XLA's plan"."""
         return "peak" if self.measure == RUN else "XLA's plan"
+
+    @property
+    def compiler_remat_bytes(self) -> int:
+        """What the compiler's own rematerialization took off the step's plan (0: nothing)."""
+        if self.unlimited_peak_bytes is None or self.compiled_peak_bytes is None:
+            return 0
+        return max(0, self.unlimited_peak_bytes - self.compiled_peak_bytes)
 
     @property
     def estimated_step_seconds(self) -> float | None:
@@ -258,9 +274,10 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
     until `jobs` ends. When the trainer cannot be built, every job gets that config error. A
     CPU's peak FLOP/s is measured before `READY`, so before the parent starts another worker.
 
-    With `spec["target"]` (a TPU chip or slice, see `memory.tpu.tpu_chip`) each step is
-    compiled by libtpu's compiler for that chip instead, its time estimated from the compiler's
-    FLOP count at the chip's peak. The trainer is built unsharded; a shard level is planned on a
+    With `spec["target"]` (a TPU chip or slice, or a GPU card: `memory.targets.target_device`)
+    each step is compiled by that device's compiler instead (libtpu's, XLA:GPU's), its time
+    estimated from the optimised program's FLOPs at the device's peak for the run's precision.
+    The trainer is built unsharded; a shard level is planned on a
     `shard.ShardedState` cut for the run's replicas (a slice's chips), built once per level.
     On a slice, the "gradients" and "weights" levels compile the one program of all replicas a
     TPU runs (collectives inside) for every chip of the slice; elsewhere the program is the
@@ -268,18 +285,19 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
     import tensorflow as tf
 
     from framework import cli, memory, remat, shard
-    from framework.memory import tpu
+    from framework.memory import gpu, targets, tpu
     from framework.runtime import distribute, flops, xla
     from framework.trainer import Trainer, optim
 
-    chip = tpu.tpu_chip(spec["target"]) if spec.get("target") else None
+    chip = targets.target_device(spec["target"]) if spec.get("target") else None
     bindings = [*spec["bindings"], "Trainer.shard_state = 'none'"]
     devices = 1
     if chip is not None:
-        # The step of one device, built on this host's CPU: the worker never claims a TPU (on a
-        # TPU VM the run itself holds it), and the slice's devices split the global batch.
+        # The step of one device, built on this host's CPU: the worker never claims a TPU or a
+        # GPU (the run holds them), and a slice's devices split the global batch.
         bindings.append("Runtime.strategy = 'one_device'")
-        devices = tpu.tpu_devices(spec["target"])
+        if isinstance(chip, tpu.TpuChip):
+            devices = tpu.tpu_devices(spec["target"])
     try:
         cli.parse_gin(spec["files"], bindings, spec["search_paths"])
         trainer = Trainer(None, remat_policy=None, count_flops=False)
@@ -290,7 +308,7 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
         if chip is None:
             peak, _ = trainer.runtime.peak_flops_per_device(trainer.strategy)
         else:
-            peak = chip.peak_flops
+            peak = chip.peak(trainer.runtime.precision)
     yield READY
 
     @functools.lru_cache(maxsize=1)  # jobs come level by level: one level's state at a time
@@ -304,23 +322,31 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
             )
         return shard.ShardedState(level, trainer.strategy, trainer.model, optimizer, replicas)
 
-    plans: dict[tuple, tuple[memory.CompiledMemory, float]] = {}
+    plans: dict[tuple, tuple[memory.CompiledMemory, float, int | None]] = {}
 
-    def plan_step(key: tuple, fn, *args) -> tuple[memory.CompiledMemory, float]:
+    def plan_step(key: tuple, fn, *args) -> tuple[memory.CompiledMemory, float, int | None]:
         """One compilation for both figures: the plan and the FLOPs its time is estimated from
-        (one per program: levels whose step compiles the same program share it)."""
+        (one per program: levels whose step compiles the same program share it); and for a GPU
+        whose compiler may have rematerialized, the plan's peak without a memory limit."""
         if key in plans:
             return plans[key]
+        unlimited = None
         if chip is not None:
             in_program = key[-1] == "in program"
             hlo = fn.experimental_get_compiler_ir(*args)(stage="hlo_serialized")
-            compiled = tpu.compile_for_chip(hlo, chip, replicas=replicas if in_program else 1)
-            plans[key] = compiled, compiled.flops
+            compiled = targets.compile_for_target(
+                hlo, spec["target"], replicas=replicas if in_program else 1
+            )
+            if isinstance(chip, gpu.GpuCard) and compiled.peak_bytes > NEAR_CAPACITY * (
+                chip.memory_bytes
+            ):
+                unlimited = gpu.compile_for_card(hlo, chip, UNLIMITED_BYTES).peak_bytes
+            plans[key] = compiled, compiled.flops, unlimited
         else:
             compiled, step_flops = flops.compiled_plan_and_flops(
                 fn, *args, device=distribute.first_device(trainer.strategy)
             )
-            plans[key] = compiled, float(step_flops)
+            plans[key] = compiled, float(step_flops), unlimited
         return plans[key]
 
     def compile_one(policy: str, batch_size: int | None, level: str) -> Measurement:
@@ -348,7 +374,7 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
             fn, args = trainer.compiled_step(step_batch, planned=state, in_program=in_program)
             program = level if in_program else ("gathered" if len(args) > 1 else "whole")
             key = (policy, step_batch, program, "in program" if in_program else "")
-            compiled, step_flops = plan_step(key, fn, *args)
+            compiled, step_flops, unlimited = plan_step(key, fn, *args)
             kept = kept_bytes(trainer.optimizer, state, in_program)
         except tf.errors.ResourceExhaustedError as error:
             return failed(error=f"out of host memory while compiling: {_reason(error)}")
@@ -367,6 +393,7 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
             xla_flags=xla.current_flags(),
             compiler=compiled.compiler,
             shard_state=level,
+            unlimited_peak_bytes=unlimited,
         )
 
     for line in iter(jobs.readline, ""):

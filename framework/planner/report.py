@@ -46,6 +46,8 @@ def _row(plan: Plan, m: Measurement) -> tuple[str, ...]:
     mark = "yes" if plan.fits(m) else "no"
     if m is plan.pick:
         mark = "PICK"
+    if m.compiler_remat_bytes:
+        mark += f" (the compiler recomputes {_mib(m.compiler_remat_bytes)} of it)"
     estimated = ESTIMATED if m.step_seconds is None else ""
     return (
         m.policy,
@@ -96,11 +98,18 @@ def verdict(plan: Plan) -> str:
     if plan.pick is not None:
         pick = plan.pick
         speed = "" if pick.measure == "run" else " (estimated from its FLOPs)"
+        recomputed = ""
+        if pick.compiler_remat_bytes:
+            recomputed = (
+                f"; it fits because {pick.compiler.split(' (')[0]} rematerializes by itself "
+                f"(without a memory limit it plans "
+                f"{format_bytes(pick.unlimited_peak_bytes + pick.state_bytes)})"
+            )
         return (
             f"pick: remat policy {pick.policy} at batch size {pick.batch_size}{_sharded(pick)}: "
             f"{pick.fit_kind} "
             f"{format_bytes(pick.fit_bytes)} of a budget of {budget}, "
-            f"{rate(pick.examples_per_second)} examples/s{speed}"
+            f"{rate(pick.examples_per_second)} examples/s{speed}{recomputed}"
         )
     smallest = plan.smallest
     if smallest is None:

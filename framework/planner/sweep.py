@@ -33,6 +33,33 @@ class ConfigError(Exception):
     """The run cannot be built as configured, whatever the policy: a user error, not a result."""
 
 
+def plan_target(name: str | None, measure: str) -> str | None:
+    """The device a plan compiles for: `name` (a TPU chip or slice, or a GPU card:
+    `memory.targets.target_device`), or without one, when the plan compiles (`measure` is not
+    "run"), this host's GPU if it has one the framework knows (`memory.gpu.local_card`): a GPU
+    run is planned by its own card's compiler, never by the host CPU's. None plans with the
+    compiler of this host's device.
+
+    Raises:
+      ValueError: an unknown name, or a named device with `measure` "run".
+      MissingDependency: that device's compiler (the `tpu` or `gpu` extra) is not installed.
+    """
+    from framework.core import jax_internals
+    from framework.memory import gpu, targets
+
+    if name is None:
+        card = None if measure == RUN else gpu.local_card()
+        if card is None:
+            return None
+        logging.info("plan: compiling for this host's GPU, %s (%s)", card.device_name, card.name)
+        name = card.device_name
+    device = targets.target_device(name)
+    if measure == RUN:
+        raise ValueError(f"a plan for {name} is compiled, not run: drop --measure=run")
+    jax_internals.require_compiler("gpu" if isinstance(device, gpu.GpuCard) else "tpu")
+    return name
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """The trainer's configuration as the binaries got it: gin files, bindings, search paths."""
@@ -84,8 +111,9 @@ def compile_combinations(
 
     `processes` compile workers at most, each holding the weights and the optimizer state in
     host memory; 0 chooses by the cores and the memory (`workers.compile_in_workers`).
-    `target` names a TPU chip to compile for with libtpu's compiler (`memory.tpu.tpu_chip`);
-    None compiles for this host's device. Each level of `shard_states` plans every combination.
+    `target` names a TPU chip or a GPU card to compile for with its compiler
+    (`memory.targets.target_device`); None compiles for this host's device. Each level of
+    `shard_states` plans every combination.
     """
     spec = {
         "files": list(config.files),
@@ -124,9 +152,8 @@ def make_plan(
     """Plans every combination and picks one (see `choose`). `None` as a batch size keeps the
     config's own. Every combination is planned at each level of `shard_states` (levels of
     `Trainer.shard_state`; a target slice plans its per-chip program for its chip count). A
-    `target` TPU chip plans every combination with libtpu's compiler for that
-    chip (`measure` must then be "compile" or "auto", which becomes "compile": nothing can run
-    on a chip this host does not have).
+    `target` (`plan_target`) plans every combination with that device's compiler (`measure`
+    must then be "compile" or "auto", which becomes "compile": nothing runs on a device named).
 
     First XLA's plan of every combination is read (`compile_combinations`, in at most
     `compile_processes` workers, 0 for as many as the host's cores and memory allow), with the
@@ -147,7 +174,7 @@ def make_plan(
     if target is not None:
         if measure == RUN:
             raise ValueError(
-                f"a plan for TPU {target} is compiled, not run: use measure 'compile' or 'auto'"
+                f"a plan for {target} is compiled, not run: use measure 'compile' or 'auto'"
             )
         measure = COMPILE
     usable = int(budget_bytes * (1 - safety_margin))
@@ -158,9 +185,9 @@ def make_plan(
 
     # Leaving combinations out is exact only for the compile measure's estimate. Under "auto", a
     # no-remat plan too large to run on this host means the plan will be compile-measured.
-    # Nothing is left out for a TPU target: its compiler rematerializes by itself what does not
-    # fit the chip's HBM, so a "none" that fits may already recompute, and a policy after it may
-    # need fewer FLOPs.
+    # Nothing is left out for a named target: its compiler (the TPU's, XLA:GPU) rematerializes
+    # by itself what does not fit the device's memory, so a "none" that fits may already
+    # recompute, and a policy after it may need fewer FLOPs.
     may_skip = {
         COMPILE: lambda baseline: True,
         RUN: lambda baseline: False,
@@ -170,7 +197,7 @@ def make_plan(
     if measure != RUN or search_budget:
         logging.info(
             "plan: reading %s plan of every combination (nothing runs)",
-            f"the TPU {target} compiler's" if target else "XLA's",
+            f"the {target} compiler's" if target else "XLA's",
         )
         compiled = compile_combinations(
             config,

@@ -31,9 +31,13 @@ MEMORY_HEADROOM = 1.25
 BUILT_HEADROOM = 2.0
 
 
-def _env() -> dict[str, str]:
+def _env(spec: dict) -> dict[str, str]:
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if spec.get("target"):
+        # A step planned for a named device is built on this host's CPU: a worker never claims
+        # a GPU of this host (the run, or the other workers, need it).
+        env["CUDA_VISIBLE_DEVICES"] = "-1"
     return env
 
 
@@ -56,7 +60,12 @@ def run_child(spec: dict, timeout: float) -> tuple[list[Measurement], str | None
     line each), and what went wrong when it did not end well."""
     try:
         proc = subprocess.run(
-            _command(spec), env=_env(), capture_output=True, text=True, timeout=timeout, check=False
+            _command(spec),
+            env=_env(spec),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
         )
     except subprocess.TimeoutExpired:
         return [], f"timed out after {timeout:.0f} s"
@@ -99,7 +108,7 @@ class _Worker:
         self._stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             _command(spec),
-            env=_env(),
+            env=_env(spec),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
@@ -197,8 +206,8 @@ class _Pool:
         if self.compiled_peak_bytes:
             needed = MEMORY_HEADROOM * self.compiled_peak_bytes
         elif self.spec.get("target"):
-            # The TPU compiler takes many times what building the model did (ViT-B/16: 10.9 GB
-            # against 0.9 GB): wait for the first compilation's peak.
+            # The TPU and GPU compilers take many times what building the model did (ViT-B/16
+            # for a TPU: 10.9 GB against 0.9 GB): wait for the first compilation's peak.
             return False
         else:
             needed = BUILT_HEADROOM * self.built_peak_bytes

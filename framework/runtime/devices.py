@@ -16,14 +16,10 @@ import keras
 import tensorflow as tf
 
 from framework.core import checks, tf_internals
-from framework.memory import tpu, units
+from framework.memory import gpu, tpu, units
 from framework.runtime import distribute, flops, xla
 
 PRECISIONS = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
-# Datasheet peak of dense matrix products, TFLOP/s per GPU, in bfloat16 (what MFU is quoted
-# against), matched in the name TensorFlow reports for the GPU. TPUs report no type to TensorFlow:
-# `launch/tpu_pod.py` binds `Runtime.peak_tflops` from the accelerator type.
-GPU_PEAK_TFLOPS = {"H100": 989.0, "A100": 312.0, "L4": 121.0, "A10G": 70.0, "V100": 125.0}
 
 
 @gin.configurable
@@ -42,7 +38,8 @@ class Runtime:
         `LIBTPU_INIT_ARGS`, set before anything compiles (see `xla.set_xla_flags`).
       precision: `float32`, or `bfloat16` (bfloat16 compute, float32 weights).
       peak_tflops: the peak TFLOP/s of one device, which model FLOPs utilisation (MFU) is
-        measured against. None: looked up for known GPUs, measured on CPUs (a short matrix
+        measured against. None: the datasheet's for known GPUs (`memory.gpu.GPU_CARDS`; for
+        float32, TensorFloat-32's where the card has it), measured on CPUs (a short matrix
         product benchmark), unknown on TPUs (then set it).
       xla_memory_limit: a byte size ("14GiB") under which XLA's own rematerialization pass keeps
         each compiled program, on TPUs and GPUs (`xla.remat_limit_flags`; docs/memory.md). XLA:CPU
@@ -121,12 +118,13 @@ class Runtime:
             return self.peak_tflops * 1e12, "Runtime.peak_tflops"
         kind = distribute.device_type(strategy)
         if kind == "GPU":
-            gpu = tf.config.list_physical_devices("GPU")[0]
-            name = tf.config.experimental.get_device_details(gpu).get("device_name", "")
-            for model, tflops in GPU_PEAK_TFLOPS.items():
-                if model in name:
-                    return tflops * 1e12, f"datasheet of {name}"
-            return None, f"no datasheet figure for {name!r}: set Runtime.peak_tflops"
+            # The datasheet's dense peak for the run's precision (`memory.gpu.GPU_CARDS`).
+            card = gpu.local_card()
+            if card is None:
+                found = tf.config.list_physical_devices("GPU")[0]
+                name = tf.config.experimental.get_device_details(found).get("device_name", "")
+                return None, f"no datasheet figure for {name!r}: set Runtime.peak_tflops"
+            return card.peak(self.precision), f"datasheet of {card.device_name}, {self.precision}"
         if kind == "CPU":
             local = len(strategy.extended.worker_devices)  # logical devices share the cores
             return flops.measure_cpu_flops() / local, "measured float32 matmul on this CPU"

@@ -16,99 +16,17 @@ and loop bounds are still constants the count can read.
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import math
 import time
 from collections.abc import Callable
 
 import tensorflow as tf
 
 from framework import memory
-from framework.core.tf_internals import hlo_pb2, xla_data_pb2
+from framework.core.tf_internals import hlo_pb2
+from framework.memory.hlo_flops import hlo_matmul_flops
 
 FORWARD_AND_BACKWARD = 3  # a matmul's backward pass is two matmuls of the same size
-
-
-def _dimensions(shape) -> list[int]:
-    return list(shape.dimensions)
-
-
-def _instruction_flops(instruction, by_id: dict) -> int:
-    out = math.prod(_dimensions(instruction.shape))
-    if instruction.opcode == "dot":
-        lhs = _dimensions(by_id[instruction.operand_ids[0]].shape)
-        numbers = instruction.dot_dimension_numbers
-        return 2 * out * math.prod(lhs[d] for d in numbers.lhs_contracting_dimensions)
-    if instruction.opcode == "convolution":
-        kernel = _dimensions(by_id[instruction.operand_ids[1]].shape)
-        numbers = instruction.convolution_dimension_numbers
-        window = math.prod(kernel[d] for d in numbers.kernel_spatial_dimensions)
-        return 2 * out * window * kernel[numbers.kernel_input_feature_dimension]
-    return 0
-
-
-def _is_condition(computation, by_id: dict) -> bool:
-    """Whether a loop's called computation is its condition (a scalar predicate)."""
-    root = by_id[computation.root_id]
-    return root.shape.element_type == xla_data_pb2.PRED and not root.shape.dimensions
-
-
-def _trip_count(instruction, computations: dict, by_id: dict) -> int | None:
-    """The loop's trip count: XLA's own when it found it, else the smallest constant bound
-    of a `counter < constant` test in its condition (TensorFlow's loops count from 0; a
-    `maximum_iterations` adds a second such test, which hides the count from XLA)."""
-    try:
-        config = json.loads(instruction.backend_config or b"{}")
-        return int(config["known_trip_count"]["n"])
-    except (ValueError, KeyError, TypeError):
-        pass
-    bounds = []
-
-    def instructions(computation_id: int) -> list:  # with those of the fusions it calls
-        found = []
-        for inner in computations[computation_id].instructions:
-            found.append(inner)
-            for called in inner.called_computation_ids:
-                found += instructions(called)
-        return found
-
-    tests = [
-        test
-        for called in instruction.called_computation_ids
-        if _is_condition(computations[called], by_id)
-        for test in instructions(called)
-    ]
-    for test in tests:
-        if test.opcode == "compare" and test.comparison_direction == "LT":
-            bound = by_id[test.operand_ids[1]]
-            values = [*bound.literal.s32s, *bound.literal.s64s]
-            if bound.opcode == "constant" and len(values) == 1:
-                bounds.append(values[0])
-    return min(bounds) if bounds else None
-
-
-def hlo_matmul_flops(module: hlo_pb2.HloModuleProto) -> tuple[int, bool]:
-    """FLOPs of the dots and convolutions a module executes; and whether the count is exact
-    (False when a loop's trip count is unknown: its body is then counted once)."""
-    computations = {c.id: c for c in module.computations}
-    by_id = {i.id: i for c in module.computations for i in c.instructions}
-    flops, exact = 0, True
-
-    def visit(computation_id: int, times: int) -> None:
-        nonlocal flops, exact
-        for instruction in computations[computation_id].instructions:
-            flops += times * _instruction_flops(instruction, by_id)
-            repeat = 1
-            if instruction.opcode == "while":
-                trips = _trip_count(instruction, computations, by_id)
-                exact = exact and trips is not None
-                repeat = trips or 1
-            for called in instruction.called_computation_ids:
-                visit(called, times * repeat)
-
-    visit(module.entry_computation_id, 1)
-    return flops, exact
 
 
 def forward_flops(forward: Callable, *args) -> tuple[int, bool]:

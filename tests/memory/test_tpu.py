@@ -239,5 +239,5 @@ def test_without_the_extra_one_line_says_how_to_install_it():
         """
     )
     assert result["type"] == "MissingDependency"
-    assert result["message"].endswith('pip install -e ".[tpu]"')
+    assert 'pip install -e ".[tpu]" (a TPU)' in result["message"]
     assert "\n" not in result["message"]

@@ -238,7 +238,7 @@ def test_a_tpu_converts_one_layers_weights_per_step_not_the_whole_stack():
     hlo = gradients.experimental_get_compiler_ir(*specs)(stage="hlo_serialized")
     chip = tpu.tpu_chip("v5e")
     device = jax_internals.tpu_device(chip.topology, chip.chip_config)
-    compiled = jax_internals.compile_for_tpu(tpu.lower_random_for_tpu(hlo), device)
+    compiled = jax_internals.compile_only(tpu.lower_random_for_tpu(hlo), device)
 
     def shapes(shape):
         yield shape
