@@ -51,8 +51,8 @@ def plan_target(name: str | None, measure: str) -> str | None:
         card = None if measure == RUN else gpu.local_card()
         if card is None:
             return None
-        logging.info("plan: compiling for this host's GPU, %s (%s)", card.device_name, card.name)
-        name = card.device_name
+        logging.info("plan: compiling for this host's GPU, described as %s", card.name)
+        name = card.name
     device = targets.target_device(name)
     if measure == RUN:
         raise ValueError(f"a plan for {name} is compiled, not run: drop --measure=run")

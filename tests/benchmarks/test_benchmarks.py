@@ -342,3 +342,22 @@ def test_long_sequences_times_the_settings_quick(tmp_path):
         "blockwise + chunked loss",
     ]
     assert all(float(r[2]) > 0 for r in rows), rows
+
+
+def test_gpu_plans_quick(tmp_path):
+    out = tmp_path / "gpu_plans.md"
+    run_benchmark(
+        "gpu_plans.py",
+        "--quick",
+        "--cards=p100,a100-40gb",
+        "--microbatches=2",
+        "--fractions=0.5",
+        f"--out={out}",
+        timeout=600,
+    )
+    report = out.read_text()
+    for card in ("p100 sm_60", "a100-40gb sm_80"):
+        assert f"planned by XLA:GPU {card}" in report, report
+    assert report.count("pick: remat policy none at batch size 64") == 3, report
+    rows = _table_cells(report, 5)[2:]  # under the header and its rule
+    assert [r[0] for r in rows] == ["unlimited", "its own", "0.5 of it"], report

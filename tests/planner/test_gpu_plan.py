@@ -72,3 +72,19 @@ def test_a_plan_the_compiler_left_alone_says_nothing_of_it():
     plan = planner.choose([_compiled("none", 12 * 2**30, unlimited=12 * 2**30)], 16 * 2**30)
     assert plan.pick.compiler_remat_bytes == 0
     assert "rematerializes" not in planner.verdict(plan)
+
+
+def test_a_gpu_host_plans_for_its_own_card(monkeypatch):
+    """Without --target a plan that compiles is the host's GPU's, chosen by the name CUDA
+    reports (this host has none: TensorFlow's device listing is replaced); a plan that runs
+    measures on the GPU itself."""
+    assert gpu.local_card() is None  # no GPU here: plans compile for this host, as before
+    assert planner.plan_target(None, "compile") is None
+    monkeypatch.setattr(gpu, "local_card", lambda: gpu.gpu_card("Tesla V100-SXM2-32GB"))
+    assert planner.plan_target(None, "compile") == "v100-32gb"
+    assert planner.plan_target(None, "auto") == "v100-32gb"
+    assert gpu.gpu_card("v100-32gb").memory_bytes == 2 * gpu.gpu_card("v100").memory_bytes
+    assert planner.plan_target(None, "run") is None
+    assert planner.plan_target("v5e", "auto") == "v5e"  # a named device wins
+    with pytest.raises(ValueError, match="a plan for p100 is compiled, not run"):
+        planner.plan_target("p100", "run")
