@@ -89,8 +89,11 @@ def plan(card: str, quick: bool, extra: list[str]) -> tuple[str, dict]:
         if not os.path.exists(path):
             tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             raise SystemExit(f"error: the planner failed for {card}: {tail}")
+        printed = [
+            line for line in proc.stdout.strip().splitlines() if not line.startswith("wrote ")
+        ]
         with open(path) as f:
-            return proc.stdout.strip(), json.load(f)
+            return "\n".join(printed), json.load(f)
 
 
 def compiler_remat(card: str, fractions: list[float], quick: bool) -> dict:

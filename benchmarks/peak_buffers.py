@@ -2,7 +2,7 @@
 
 Builds the configured trainer from gin files, as the planner does, with a remat policy, and
 compiles one device's forward and backward pass (the program the planner plans) with XLA:CPU or,
-with `--target`, libtpu's compiler for a TPU chip; nothing runs. The buffers live at the plan's
+with `--target`, the compiler of a TPU chip or a GPU; nothing runs. The buffers live at the plan's
 peak are grouped by what they are:
 
 - weights: the program's parameters with the variables' shapes;
@@ -52,7 +52,7 @@ def group(buffer: memory.Buffer, weight_shapes: collections.Counter) -> tuple[st
         return "batch", buffer.shape
     if buffer.kind == "output":
         return "gradients", "outputs"
-    name = re.sub(r"_\d+(?=/|$)", "_*", buffer.op_name or f"({buffer.instruction})")
+    name = re.sub(r"(_\d+)+(?=/|$)", "_*", buffer.op_name or f"({buffer.instruction})")
     parts = name.split("/")
     return "temporaries", "/".join(parts[:2] + ["..."] * (len(parts) > 4) + parts[-2:])
 
@@ -63,7 +63,9 @@ def main() -> None:
     parser.add_argument("--gin", action="append", default=[], help="more gin bindings")
     parser.add_argument("--policy", default="nothing_saveable", help="remat policy, or none")
     parser.add_argument("--batch_size", type=int, help="the global batch (the config's)")
-    parser.add_argument("--target", help="a TPU chip (v4, v5e, ...; the tpu extra)")
+    parser.add_argument(
+        "--target", help="a TPU chip (v4, v5e, ...; the tpu extra) or a GPU (p100, ...; gpu)"
+    )
     parser.add_argument("--top", type=int, default=12, help="temporary groups listed")
     parser.add_argument("--out", help="also write the report (markdown) to this file")
     args = parser.parse_args()
