@@ -1,6 +1,8 @@
-"""The errors a run ends with that the user can act on: one `error:` line, no traceback.
-
-`cli.run` prints a `UserError` as one line and exits with its `exit_status`.
+"""The framework's errors, one family: every exception class the framework defines derives from
+`FrameworkError` (and, where callers catch it today, from the built-in class too: a
+`WarmStartError` is a `ValueError`). The errors a run ends with that the user can act on are
+`UserError`s: `cli.run` prints one as one `error:` line, no traceback, and exits with its
+`exit_status`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,14 @@ from __future__ import annotations
 BAD_DATA = "bad data: "
 
 
-class UserError(Exception):
+class FrameworkError(Exception):
+    """Base class of every error the framework raises: `except FrameworkError` catches the
+    framework's own errors and nothing else. Subclasses keep `Exception.__init__` (one message
+    argument), which AutoGraph needs to re-raise them as the same class out of a `tf.function`.
+    """
+
+
+class UserError(FrameworkError):
     """A problem the user can fix; reported in one line."""
 
     exit_status = 2
@@ -35,7 +44,7 @@ class Interrupted(UserError):
     exit_status = 130
 
 
-class PreemptedError(Exception):
+class PreemptedError(FrameworkError):
     """SIGTERM arrived (a preempted TPU VM or GPU node): a checkpoint was saved at `step`."""
 
     exit_status = 42  # what TensorFlow's own preemption handling uses for "restart me"
@@ -43,3 +52,8 @@ class PreemptedError(Exception):
     def __init__(self, step: int):
         super().__init__(f"preempted: saved a checkpoint at step {step}; run again to resume")
         self.step = step
+
+
+class RematError(FrameworkError):
+    """Base class of the errors a checkpointed region raises instead of a wrong gradient
+    (`framework.remat`)."""

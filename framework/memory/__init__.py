@@ -19,14 +19,13 @@ from framework.memory.allocator import (
     keeps_statistics,
     peak_bytes,
 )
+from framework.memory.compiled import compiled_bytes, xla_compiler
 from framework.memory.units import format_bytes, parse_bytes
 from framework.memory.xla_buffers import (
     Buffer,
     CompiledMemory,
-    compiled_bytes,
     memory_from_hlo_proto,
     parse_buffer_assignment,
-    xla_compiler,
 )
 
 __all__ = [

@@ -1,7 +1,7 @@
 """The allocator's peak during one call of a step function, on CPU, GPU or TPU.
 
 This is the memory the step really took on this machine, as opposed to XLA's plan for it
-(`xla_buffers.compiled_bytes`). GPU and TPU allocators always keep statistics. On CPU only
+(`compiled.compiled_bytes`). GPU and TPU allocators always keep statistics. On CPU only
 the BFC allocator does. TensorFlow picks it when its runtime starts: with
 `TF_CPU_ALLOCATOR_USE_BFC=true` in the environment, and (measured with TensorFlow 2.21 on x86)
 by default while oneDNN is on, but not with `TF_ENABLE_ONEDNN_OPTS=0`. Without it there is no
@@ -19,11 +19,12 @@ from typing import Any
 import tensorflow as tf
 
 from framework.core import tf_internals
+from framework.core.errors import FrameworkError
 
 BFC_ENV_VAR = "TF_CPU_ALLOCATOR_USE_BFC"
 
 
-class AllocatorNotTrackedError(RuntimeError):
+class AllocatorNotTrackedError(FrameworkError, RuntimeError):
     """The device's allocator keeps no statistics, so a peak cannot be measured."""
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
+from framework.core.errors import FrameworkError
 from framework.planner.choose import Plan, choose
 from framework.planner.measurement import (
     COMPILE,
@@ -29,7 +30,7 @@ HOST_FRACTION = 0.7
 DEFAULT_TIMEOUT_SECONDS = 3600
 
 
-class ConfigError(Exception):
+class ConfigError(FrameworkError):
     """The run cannot be built as configured, whatever the policy: a user error, not a result."""
 
 

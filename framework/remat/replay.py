@@ -36,6 +36,7 @@ from collections.abc import Iterator
 import tensorflow as tf
 
 from framework.core import tf_internals
+from framework.core.errors import RematError
 from framework.remat.policies import (
     ELEMENTWISE_FLOPS_PER_VALUE,
     RANDOM_FLOPS_PER_VALUE,
@@ -63,14 +64,6 @@ _SEED_ARGS = frozenset({"seed", "key", "counter"})
 # Ops whose outputs depend on their inputs' shapes alone: constants as far as the values go (a
 # dropout mask drawn over `tf.shape(x)` is still computed from random bits and constants alone).
 _SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
-
-
-class RematError(Exception):
-    """Base class of the errors a checkpointed region raises instead of a wrong gradient.
-
-    Built on `Exception` itself so that AutoGraph re-raises it as the same class from inside a
-    `tf.function` (it turns other classes into `StagingError`).
-    """
 
 
 class RecomputationMismatchError(RematError):

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from framework.core import files, tf_internals
+from framework.core.errors import FrameworkError
 
 PREFIX = "ckpt"  # tf.train.CheckpointManager's default checkpoint_name
 INDEX_FILE = "checkpoint"  # the index of the checkpoints TensorFlow keeps in the directory
@@ -29,7 +30,7 @@ _PARTIAL = re.compile(rf"^{PREFIX}-(\d+)\.data-\d+-of-\d+$")
 _TEMPORARY = re.compile(rf"^{PREFIX}-\d+_temp/?$")  # where a sharded save writes before it commits
 
 
-class CheckpointError(Exception):
+class CheckpointError(FrameworkError):
     """The directory holds checkpoints, but none can be restored: starting over would lose them."""
 
 

@@ -37,6 +37,7 @@ import uuid
 import tensorflow as tf
 
 from framework.core import files
+from framework.core.errors import FrameworkError
 
 LOCK_FILE = "LOCK"
 DEFAULT_LEASE_SECONDS = 300.0
@@ -45,7 +46,7 @@ SETTLE_SECONDS = 1.0  # how long a lease waits before reading back that it holds
 _held: dict[str, RunLock] = {}  # lock path -> the lock this process holds there
 
 
-class LockError(Exception):
+class LockError(FrameworkError):
     """Another run holds (or took over) the model_dir: a problem the user can fix."""
 
 

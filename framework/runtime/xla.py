@@ -13,13 +13,15 @@ import math
 import os
 from collections.abc import Sequence
 
+from framework.core.errors import FrameworkError
+
 ENV_VARS = ("XLA_FLAGS", "TF_XLA_FLAGS", "LIBTPU_INIT_ARGS")
 # XLA:GPU's rematerialization limit is `slop_factor`% of (80% of the device's memory - the step's
 # inputs and outputs); TensorFlow passes XLA no memory size of its own (JAX does).
 GPU_SCHEDULER_SHARE = 0.8
 
 
-class XlaMemoryLimitError(ValueError):
+class XlaMemoryLimitError(FrameworkError, ValueError):
     """`Runtime.xla_memory_limit` cannot be honoured on this platform."""
 
 

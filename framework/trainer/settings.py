@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import gin
 import keras
@@ -21,9 +21,6 @@ from framework.data.sharding import DatasetFn
 from framework.rundir import lock as run_lock
 from framework.runtime import Runtime
 from framework.trainer import losses, optim
-
-if TYPE_CHECKING:
-    from framework.trainer.actions import Action
 
 # The trainer's own losses and optimizers, as gin names them. The defaults below are these
 # registered functions, so a binding such as `optim.adamw.beta_2 = 0.98` takes effect whether or
@@ -97,7 +94,7 @@ class TrainerSettings:
     shard_state: str = "none"
     init_checkpoint: str | None = None
     runtime: Runtime | None = None
-    actions: Sequence[Action] = ()
+    actions: Sequence[Callable[..., None]] = ()  # `actions.Action`s
     count_flops: bool = True
     profile_steps: Sequence[int] | None = None
     seed: int = 0

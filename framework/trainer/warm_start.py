@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from framework.core import files, tf_internals
+from framework.core.errors import FrameworkError
 from framework.models import weights
 from framework.rundir import checkpoints
 
@@ -43,7 +44,7 @@ OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 MOST_OF_THE_MODEL = 0.5
 
 
-class WarmStartError(ValueError):
+class WarmStartError(FrameworkError, ValueError):
     """The checkpoint cannot initialise this model: what is missing or why, in one message."""
 
 

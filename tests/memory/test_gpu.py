@@ -62,6 +62,7 @@ def plans():
     return found, _weight_bytes(model)
 
 
+@pytest.mark.tf_compat
 @pytest.mark.parametrize("card", ["p100", "a100-40gb"])
 def test_a_step_planned_for_a_card_makes_sense(plans, card):
     found, weights = plans

@@ -18,6 +18,8 @@ import zipfile
 import numpy as np
 import tensorflow as tf
 
+from framework.core.errors import FrameworkError
+
 SUFFIXES = (".npz", ".safetensors")
 # safetensors dtypes, as NumPy little-endian dtypes; BF16 is widened to float32 by hand.
 SAFETENSORS_DTYPES = {
@@ -33,7 +35,7 @@ SAFETENSORS_DTYPES = {
 }
 
 
-class WeightsError(ValueError):
+class WeightsError(FrameworkError, ValueError):
     """The file cannot initialise this model: what is wrong, naming the tensors, in one line."""
 
 
