@@ -359,7 +359,10 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
             Measurement, policy, batch_size, stage=RUN_STAGE, measure=COMPILE, shard_state=level
         )
         try:
-            resolved = remat.get_policy(policy)
+            # A memory budget prices kept masks as the planned device's compiler stores them.
+            kind = "TPU" if isinstance(chip, tpu.TpuChip) else "GPU" if chip else None
+            kind = kind or distribute.device_type(trainer.strategy)
+            resolved = remat.get_policy(policy, mask_bits=remat.policies.MASK_BITS.get(kind, 1))
             enable = resolved is not remat.policies.everything_saveable
             remat.set_grad_checkpointing(trainer.model, policy=resolved, enable=enable)
             if chip is not None and batch_size % devices:

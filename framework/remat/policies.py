@@ -176,12 +176,20 @@ def _elements(shape: tuple[int | None, ...]) -> int:
     return 0 if any(d is None for d in shape) else math.prod(shape)
 
 
-def kept_bytes(op: OpInfo) -> int:
-    """What keeping `op`'s outputs costs: their bytes, a boolean as one bit (they are packed)."""
+# Bits a kept boolean value (a dropout mask) takes in each compiler's plan: remat packs kept masks
+# into 32-bit words, which XLA:CPU and XLA:GPU store as they are; libtpu undoes the packing and
+# stores a `pred` per value (ViT-B/16 at batch 64 with `random_masks_saveable`: 1.3 GiB over full
+# remat on TPU v5e, 0.04 GiB on a P100).
+MASK_BITS = {"CPU": 1, "GPU": 1, "TPU": 8}
+
+
+def kept_bytes(op: OpInfo, mask_bits: int = 1) -> int:
+    """What keeping `op`'s outputs costs: their bytes, a boolean as `mask_bits` bits (packed:
+    1; see `MASK_BITS`)."""
     total = 0
     for shape, dtype in zip(op.shapes, op.dtypes, strict=False):
         values = _elements(shape)
-        total += -(-values // 8) if dtype == tf.bool else values * dtype.size
+        total += -(-values * mask_bits // 8) if dtype == tf.bool else values * dtype.size
     return total
 
 
@@ -341,10 +349,13 @@ class MemoryBudget:
     op: it ignores that keeping a value can also spare recomputing what only it needed.
 
     Unlike the other policies it decides per region, not per op: a region calls `select` once
-    its forward pass is recorded.
+    its forward pass is recorded. `mask_bits` prices a kept mask value as the target compiler
+    stores it (`MASK_BITS`: a bit on XLA:CPU and GPUs, a byte on TPUs), which the trainer sets
+    from the device the run trains on (`get_policy(name, mask_bits=...)`).
     """
 
     fraction: float
+    mask_bits: int = 1
 
     def __post_init__(self) -> None:
         fraction = self.fraction
@@ -366,7 +377,7 @@ class MemoryBudget:
     def select(self, ops: list[OpInfo], read: list[bool]) -> dict[int, float]:
         """The positions in `ops` of the values to keep, each with its FLOPs per byte; `read[i]`
         says whether the backward pass reads `ops[i]`'s outputs (`gradient_reads`)."""
-        costs = [kept_bytes(op) for op in ops]
+        costs = [kept_bytes(op, self.mask_bits) for op in ops]
         budget = self.fraction * sum(cost for cost, r in zip(costs, read, strict=True) if r)
         ratios = [
             recompute_flops(op) / max(cost, 1) if _weighed(op, r) else 0.0
@@ -396,9 +407,9 @@ def _weighed(op: OpInfo, read: bool) -> bool:
     return read or _is_product(op)
 
 
-def memory_budget(fraction: float) -> MemoryBudget:
+def memory_budget(fraction: float, mask_bits: int = 1) -> MemoryBudget:
     """A `MemoryBudget` policy: keep at most `fraction` of the bytes everything would keep."""
-    return MemoryBudget(fraction)
+    return MemoryBudget(fraction, mask_bits)
 
 
 BUDGET_PREFIX = "budget:"
@@ -420,12 +431,13 @@ def policy_names() -> list[str]:
     return sorted(_NAMED) + list(_NO_REMAT) + [f"{BUDGET_PREFIX}<fraction>"]
 
 
-def get_policy(policy: str | Policy | None) -> Policy:
+def get_policy(policy: str | Policy | None, mask_bits: int = 1) -> Policy:
     """Resolves a policy given by name or as a callable.
 
     `None` and `"none"` mean no remat and resolve to `everything_saveable`, which `checkpoint`
     treats as a plain call of the wrapped function (no recomputation, no overhead). An unknown name
-    raises ValueError listing the choices.
+    raises ValueError listing the choices. `mask_bits` is what a memory budget ("budget:F")
+    prices a kept mask value at (`MASK_BITS` of the compiler the step is planned for).
     """
     if policy is None:
         return everything_saveable
@@ -439,9 +451,9 @@ def get_policy(policy: str | Policy | None) -> Policy:
             return _NAMED[key]
         parts = [part.strip() for part in key.split("+")]
         if len(parts) > 1 and all(p in _NAMED or p.startswith(BUDGET_PREFIX) for p in parts):
-            combined = get_policy(parts[0])
+            combined = get_policy(parts[0], mask_bits)
             for part in parts[1:]:
-                combined = save_from_both_policies(combined, get_policy(part))
+                combined = save_from_both_policies(combined, get_policy(part, mask_bits))
             return combined
         if key.startswith(BUDGET_PREFIX):
             try:
@@ -449,7 +461,7 @@ def get_policy(policy: str | Policy | None) -> Policy:
             except ValueError:
                 fraction = None
             if fraction is not None and 0.0 <= fraction <= 1.0:
-                return MemoryBudget(fraction)
+                return MemoryBudget(fraction, mask_bits)
             raise ValueError(
                 f"Remat policy {policy!r}: a memory budget is 'budget:F' with F a fraction in "
                 "[0, 1] of the bytes keeping everything would cost, e.g. 'budget:0.3'."

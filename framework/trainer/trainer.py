@@ -29,6 +29,7 @@ from framework import memory, remat, shard
 from framework.core import tf_internals
 from framework.core.errors import TrainerError
 from framework.data import positions, sharding
+from framework.remat.policies import MASK_BITS
 from framework.rundir.run_state import RunState
 from framework.runtime import Runtime, distribute, flops
 from framework.trainer import actions as actions_lib
@@ -70,7 +71,10 @@ class Trainer:
             with self._weights_placement():
                 self.model = s.model_fn()
             if s.remat_policy is not None:
-                blocks = remat.set_grad_checkpointing(self.model, policy=s.remat_policy)
+                # A memory budget prices kept masks as this device's compiler stores them.
+                bits = MASK_BITS.get(distribute.device_type(self.strategy), 1)
+                policy = remat.get_policy(s.remat_policy, mask_bits=bits)
+                blocks = remat.set_grad_checkpointing(self.model, policy=policy)
                 logging.info("remat policy %s on %d blocks", s.remat_policy, len(blocks))
             self.optimizer, self.learning_rate_scale = optim.scheduled_optimizer(
                 s.optimizer_fn, s.learning_rate, s.warmup_steps, s.train_steps, s.weight_decay

@@ -65,6 +65,27 @@ def test_select_keeps_the_most_flops_per_byte_within_the_budget():
         assert sum(policies.kept_bytes(ops[i]) for i in kept) <= fraction * whole
 
 
+def test_kept_masks_are_priced_as_the_target_compiler_stores_them():
+    """A bit a value on XLA:CPU and GPUs (remat packs them), a byte on a TPU (libtpu keeps a
+    `pred` a value): there the widest product outranks a full-size draw's mask per byte."""
+    mask = _op("GreaterEqual", [(64, 64)], [tf.bool], random=True)
+    assert policies.kept_bytes(mask, policies.MASK_BITS["TPU"]) == 4096
+    assert policies.kept_bytes(mask, policies.MASK_BITS["GPU"]) == 512
+    ops = [
+        _op("Mul", [(64, 64)]),
+        _op("MatMul", [(64, 64)], input_shapes=((64, 3072), (3072, 64))),  # 1536 FLOPs a byte
+        mask,  # 8000 FLOPs a byte as bits, 1000 as bytes
+        _op("Softmax", [(64, 64)]),
+    ]
+    read = [True, False, True, True]
+    on_cpu = remat.get_policy("budget:0.55")
+    on_tpu = remat.get_policy("budget:0.55", mask_bits=policies.MASK_BITS["TPU"])
+    assert (on_cpu.mask_bits, on_tpu.mask_bits) == (1, 8) and on_tpu.__name__ == "budget:0.55"
+    assert list(on_cpu.select(ops, read)) == [2, 1]  # mask, then product
+    assert list(on_tpu.select(ops, read)) == [1]  # the product; the mask's byte a value no more
+    assert list(policies.MemoryBudget(1.0, mask_bits=8).select(ops, read)) == [1, 2, 0]
+
+
 class _Recorded(policies.MemoryBudget):
     """A budget that also notes, per region, the bytes of the whole and of what it kept."""
 
