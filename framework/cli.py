@@ -305,12 +305,7 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Seque
     Files are resolved here and given to gin by their full path: gin's own lookup logs an error
     line for every search path that does not hold the file, even when another does.
     """
-    paths = []
-    for name in files:
-        found = [Path(root, name) for root in ("", *search_paths) if Path(root, name).is_file()]
-        if not found:
-            raise UsageError(f"gin file {name!r} not found (searched: {', '.join(search_paths)})")
-        paths.append(str(found[0]))
+    paths = [_gin_file_path(name, search_paths) for name in files]
     for path in search_paths:  # for `include` lines inside the files
         gin.add_config_file_search_path(path)
     # An `include` still goes through gin's lookup, which logs `Path not found` at ERROR level for
@@ -319,8 +314,41 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Seque
     try:
         gin.parse_config_files_and_bindings(paths, bindings, finalize_config=True)
     except (ValueError, SyntaxError, KeyError, TypeError, OSError) as error:
-        message = " ".join(str(error).split())
+        message = _gin_error_message(error, bindings)
         raise UsageError(f"bad gin configuration: {message}") from None
+
+
+def _gin_file_path(name: str, search_paths: Sequence[str]) -> str:
+    """The path of gin file `name`: as given, or under the first search path that holds it."""
+    found = [Path(root, name) for root in ("", *search_paths) if Path(root, name).is_file()]
+    if not found:
+        raise UsageError(f"gin file {name!r} not found (searched: {', '.join(search_paths)})")
+    return str(found[0])
+
+
+# How gin reports a value it cannot read: Python's `literal_eval` error (which names an AST
+# node by its address) followed by gin's own line.
+_UNREADABLE_VALUE = re.compile(
+    r"malformed node or string(?: on line \d+)?: <ast\.\w+ object at 0x[0-9a-f]+>\s*"
+    r"Failed to parse token '(?P<token>[^']*)'(?P<where>.*)"
+)
+
+
+def _gin_error_message(error: BaseException, bindings: Sequence[str]) -> str:
+    """Gin's error in one line, a value it cannot read said plainly, in the binding it is in
+    (gin numbers the bindings' lines, one binding a line)."""
+    message = " ".join(str(error).split())
+    match = _UNREADABLE_VALUE.search(message)
+    if match is None:
+        return message
+    where = match["where"].strip()
+    line = re.fullmatch(r"\(line (\d+)\)", where)
+    if line and 1 <= int(line[1]) <= len(bindings):
+        where = f"in the binding {bindings[int(line[1]) - 1].strip()!r}"
+    return (
+        f"cannot read the value {match['token']!r} {where}: a value is a Python literal (10, "
+        "0.1, 'text' in quotes, True, [1, 2]) or a @reference"
+    )
 
 
 def parse_run_config(text: str, source: str) -> None:
@@ -371,10 +399,14 @@ def prepare_model_dir(model_dir: str) -> None:
 
 
 def gin_inputs(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """The gin files and bindings the flags name, and checks there are no stray arguments."""
+    """The gin files and bindings the flags name, and checks there are no stray arguments and
+    that each file exists (before any other flag: a missing file is the first thing to fix)."""
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    return FLAGS.gin_file or [DEFAULT_GIN_FILE], list(FLAGS.gin_bindings or [])
+    files = FLAGS.gin_file or [DEFAULT_GIN_FILE]
+    for name in files:
+        _gin_file_path(name, FLAGS.gin_search_paths)
+    return files, list(FLAGS.gin_bindings or [])
 
 
 def model_dir_flag() -> str:

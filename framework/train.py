@@ -20,6 +20,7 @@ binary resolves "auto": the Trainer and the remat library only ever see a real p
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import logging
@@ -28,13 +29,13 @@ import re
 import shlex
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import gin
 from absl import flags
 
 from framework import cli
-from framework.core.errors import BAD_DATA, Interrupted, UsageError
+from framework.core.errors import BAD_DATA, Interrupted, UsageError, UserError
 
 AUTO_POLICY = "auto"
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -296,19 +297,46 @@ def main(argv: Sequence[str]) -> int:
         return 0
     if FLAGS.check_determinism:
         return _check_determinism(Trainer, FLAGS.check_determinism)
-    cli.prepare_model_dir(model_dir)
-    watch = resolve_auto_policy(TrainerSettings, files, bindings, model_dir)
     try:
-        _build_and_run(Trainer, model_dir, watch)
-    except PreemptedError as preempted:
-        logging.info("%s", preempted)
-        return preempted.exit_status
-    except (OSError, tf.errors.OpError) as error:
-        message = out_of_resources(error, model_dir) or bad_data(error)
-        if message is None:
-            raise
-        raise UsageError(message) from None
+        created = not tf.io.gfile.exists(model_dir)
+    except tf.errors.OpError:  # storage out of reach: the writability check says so
+        created = False
+    cli.prepare_model_dir(model_dir)
+    with _removed_if_refused(model_dir, created):
+        try:
+            watch = resolve_auto_policy(TrainerSettings, files, bindings, model_dir)
+            _build_and_run(Trainer, model_dir, watch)
+        except PreemptedError as preempted:
+            logging.info("%s", preempted)
+            return preempted.exit_status
+        except (OSError, tf.errors.OpError) as error:
+            message = out_of_resources(error, model_dir) or bad_data(error)
+            if message is None:
+                raise
+            raise UsageError(message) from None
+    logging.info(
+        "done: the run is in %s (checkpoints in %s, summaries: tensorboard --logdir %s)",
+        model_dir,
+        os.path.join(model_dir, "checkpoints"),
+        model_dir,
+    )
     return 0
+
+
+@contextlib.contextmanager
+def _removed_if_refused(model_dir: str, created: bool) -> Iterator[None]:
+    """Removes the model directory this run created when the run is refused before writing
+    anything to it (a bad setting found while building): no empty directory is left behind.
+    One that holds anything but the run's lock file stays."""
+    from framework.core import files
+    from framework.rundir.lock import LOCK_FILE
+
+    try:
+        yield
+    except UserError:
+        if created and files.remove_if_unused(model_dir, [LOCK_FILE]):
+            logging.info("removed %s, which this refused run had created", model_dir)
+        raise
 
 
 def console_main() -> None:

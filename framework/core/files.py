@@ -59,6 +59,21 @@ def modified_time(path: str) -> float:
     return tf.io.gfile.stat(path).mtime_nsec / 1e9
 
 
+def remove_if_unused(directory: str, leftovers: Sequence[str] = ()) -> bool:
+    """Removes `directory` when it holds nothing but files named in `leftovers` (a run's lock
+    file, say); returns whether it did. For a directory a run created and then refused to use:
+    anything else in it stays, so nothing a run wrote is ever deleted."""
+    if not tf.io.gfile.isdir(directory):
+        return False
+    names = tf.io.gfile.listdir(directory)
+    if any(name.rstrip("/") not in leftovers for name in names):
+        return False
+    for name in names:
+        tf.io.gfile.remove(join(directory, name))
+    tf.io.gfile.rmtree(directory)  # empty now: this removes the directory alone
+    return True
+
+
 def check_writable(directory: str) -> None:
     """Creates `directory` and writes and removes a real file in it; raises what the storage
     raises (tf.errors.OpError for a bucket out of reach, PermissionDeniedError, ...)."""

@@ -10,6 +10,8 @@ are not layer objects (keras.applications) gets spans of its layer graph instead
 from __future__ import annotations
 
 import collections
+import difflib
+import logging
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -23,7 +25,7 @@ from framework.remat.checkpoint import (
     loops_over_steps,
     unwrap_layer,
 )
-from framework.remat.policies import Policy, get_policy
+from framework.remat.policies import Policy, get_policy, policy_name
 
 
 class RematSavesNothingWarning(UserWarning):
@@ -106,7 +108,8 @@ def _select(model: keras.Layer, layers: LayerSelector) -> list[keras.Layer]:
     unknown = sorted(names - known)
     if unknown:
         raise ValueError(
-            f"No layer named {unknown} in model {model.name!r}; it has {sorted(known)}"
+            f"No layer named {unknown} in model {model.name!r}{_closest(unknown, known)}; it has "
+            f"{len(known)} layers: {_contents(model)}"
         )
     chosen = _top_most(
         model, lambda layer: layer.name in names or (bool(classes) and isinstance(layer, classes))
@@ -117,6 +120,12 @@ def _select(model: keras.Layer, layers: LayerSelector) -> list[keras.Layer]:
             f"it has {_contents(model)}"
         )
     return chosen
+
+
+def _closest(unknown: list[str], known: set[str]) -> str:
+    """The known names most like the unknown ones, for an error message ("" if none is)."""
+    close = sorted({m for name in unknown for m in difflib.get_close_matches(name, known, n=3)})
+    return f" (closest: {', '.join(close)})" if close else ""
 
 
 def _contents(model: keras.Layer) -> str:
@@ -182,8 +191,30 @@ def set_grad_checkpointing(
     """
     if not enable:
         _remove(model)
+        logging.info("remat: checkpointing removed from model %r", model.name)
         return []
     resolved = get_policy(policy)
+    regions = _install(model, resolved, layers, every)
+    if regions:  # (none: a warning said why)
+        if isinstance(regions[0], segments.Segment):
+            what = f"{len(regions)} segments of its layer graph"
+        else:
+            kinds = collections.Counter(type(layer).__name__ for layer in regions)
+            what = ", ".join(f"{name} x{n}" for name, n in kinds.most_common())
+        logging.info(
+            "remat: model %r checkpointed in %d regions (%s), policy %s",
+            model.name,
+            len(regions),
+            what,
+            policy_name(resolved),
+        )
+    return regions
+
+
+def _install(
+    model: keras.Layer, resolved: Policy, layers: LayerSelector, every: int | None
+) -> list[keras.Layer | segments.Segment]:
+    """Checkpoints the regions `set_grad_checkpointing` chose; returns them."""
     if every is not None:
         if layers is not None:
             raise ValueError("Pass layers= or every=, not both: every= cuts the layer graph.")

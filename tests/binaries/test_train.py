@@ -78,6 +78,7 @@ def test_run_writes_config_command_checkpoints_and_resumes(tmp_path):
     assert "Trainer.train_steps = 4" in config and "VisionTransformer.dim = 16" in config
     assert "--gin.Trainer.train_steps=4" in (tmp_path / "command").read_text()
     assert "step 4/4" in first.stderr and "eval at step 4" in first.stderr
+    assert f"done: the run is in {tmp_path} (checkpoints in {tmp_path}/checkpoints" in first.stderr
     second = run_binary(*TINY_RUN, "--gin.Trainer.train_steps=6", f"--model_dir={tmp_path}")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "restored step 4" in second.stderr and "step 6/6" in second.stderr
@@ -133,6 +134,10 @@ def test_bad_input_is_one_line_and_leaves_the_model_dir_alone(args, message, tmp
     [
         (["--gin_file={tmp}/empty.gin"], "does not set Trainer.model_fn or Trainer.dataset_fn"),
         (["--gin.Trainer.no_such_setting=1"], "bad gin configuration"),
+        (
+            ["--gin.Trainer.train_steps=ten"],
+            "cannot read the value 'ten' in the binding 'Trainer.train_steps = ten': a value is",
+        ),
         (["--gin.Runtime.strategy='tpu_v9'"], "unknown strategy"),
         (["--gin_file=missing.gin"], "gin file 'missing.gin' not found"),
         (["--gin.Trainer.learning_rate='fast'"], "Trainer.learning_rate must be a positive number"),
@@ -167,15 +172,26 @@ def test_a_bad_config_stops_before_anything_is_written(args, message, tmp_path):
     finally:
         train.FLAGS.unparse_flags()
         gin.clear_config()
-    for run in (tmp_path / "run", tmp_path / "lm"):  # made by the writability check
-        leftovers = [p.name for p in run.iterdir()] if run.exists() else []
-        assert set(leftovers) <= {"LOCK"}, leftovers  # a released lock at most
+    for run in (tmp_path / "run", tmp_path / "lm"):  # made, then removed when refused
+        assert not run.exists(), [p.name for p in run.iterdir()]
 
 
 @pytest.mark.slow
 def test_gin_file_is_required_to_name_a_model_dir():
     result = run_binary("--gin_file=quickstart.gin")
     assert result.returncode == 2 and "--model_dir is required" in result.stderr
+    # A file that does not exist is named first: that is what to fix.
+    result = run_binary("--gin_file=does_not_exist.gin")
+    line = the_error_line(result.stderr)
+    assert result.returncode == 2 and "gin file 'does_not_exist.gin' not found" in line
+
+
+@pytest.mark.slow
+def test_a_value_gin_cannot_read_is_named_without_python_internals(tmp_path):
+    result = run_binary(*TINY_RUN, "--gin.Trainer.train_steps=ten", f"--model_dir={tmp_path}")
+    line = the_error_line(result.stderr)
+    assert result.returncode == 2 and "cannot read the value 'ten'" in line
+    assert "0x" not in line and "ast." not in line, line
 
 
 @pytest.mark.slow

@@ -9,6 +9,8 @@ checkpoint that silently does nothing runs each region once, not twice.
 
 from __future__ import annotations
 
+import logging
+
 import keras
 import keras_hub
 import numpy as np
@@ -235,12 +237,32 @@ def test_other_callers_of_a_segmented_graph_get_keras_own_runner():
     assert [len(layer._inbound_nodes) for layer in model.layers] == nodes
 
 
+def test_each_call_says_what_it_checkpointed(caplog):
+    model = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8) for _ in range(8)])
+    with caplog.at_level(logging.INFO):
+        regions = remat.set_grad_checkpointing(model, policy="dots_saveable")
+        remat.set_grad_checkpointing(model, enable=False)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("remat:")]
+    assert lines == [
+        f"remat: model {model.name!r} checkpointed in {len(regions)} regions "
+        f"({len(regions)} segments of its layer graph), policy dots_saveable",
+        f"remat: checkpointing removed from model {model.name!r}",
+    ]
+
+
 def test_selections_that_match_nothing_or_save_nothing_are_loud():
     model, x = _application("mobilenetv3")
     with pytest.raises(ValueError, match="No layer .* is an instance of .*LSTM.*Conv2D x"):
         remat.set_grad_checkpointing(model, layers=keras.layers.LSTM)
     with pytest.raises(ValueError, match="predicate matches no layer"):
         remat.set_grad_checkpointing(model, layers=lambda layer: False)
+    # A misspelt name: the closest names and a summary, not every layer's name.
+    with pytest.raises(ValueError) as misspelt:
+        remat.set_grad_checkpointing(model, layers=["expanded_conv_projct"])
+    message = str(misspelt.value)
+    assert "(closest: expanded_conv_" in message and "_project" in message, message
+    assert "layers: Conv2D x" in message
+    assert len(message) < 600, message
     with pytest.warns(remat.RematSavesNothingWarning, match="single layers"):
         remat.set_grad_checkpointing(model, layers=keras.layers.Conv2D)
     with pytest.raises(ValueError, match="layers= or every="):
