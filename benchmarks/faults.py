@@ -33,7 +33,7 @@ import tempfile
 import threading
 
 import tensorflow as tf
-from remat_policies import REPO_DIR, machine, write_report
+from reporting import REPO_DIR, machine, write_report
 
 from framework.rundir import checkpoints
 

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 
-from remat_policies import REPO_DIR, child_json, report_header, write_report
+from reporting import REPO_DIR, child_json, report_header, write_report
 
 CONFIG = "plan/vit_b16_batch64_16gib.gin"
 # A tiny ViT for --quick (seconds per compilation).

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from remat_policies import write_report  # noqa: E402
+from reporting import write_report  # noqa: E402
 
 from framework.core import jax_internals  # noqa: E402
 from framework.memory import tpu  # noqa: E402

@@ -35,7 +35,8 @@ import re
 import sys
 import tempfile
 
-from remat_policies import child_json, median_step_times, report_header, write_report
+from reporting import child_json, report_header, write_report
+from step_models import median_step_times
 
 DECODER_1B = dict(dim=2048, depth=18, num_heads=16, mlp_dim=8192, vocab_size=32_000)
 TINY = dict(dim=64, depth=2, num_heads=4, mlp_dim=128, vocab_size=512)

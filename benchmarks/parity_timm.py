@@ -40,7 +40,7 @@ from timm.layers import resample_abs_pos_embed
 # isort: on
 import numpy as np
 import tensorflow as tf
-from remat_policies import machine, write_report
+from reporting import machine, write_report
 
 from framework.models import vit, weights
 

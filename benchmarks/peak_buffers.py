@@ -28,7 +28,7 @@ import re
 import sys
 
 import tensorflow as tf
-from remat_policies import mib, write_report
+from reporting import mib, write_report
 
 from framework import cli, memory, remat
 from framework.core.errors import UsageError

@@ -1,6 +1,6 @@
 """Where a train step's time goes under each remat setting, per kind of XLA operation.
 
-`remat_policies.py` says what a policy costs; this says where. It compiles the same train steps
+`step_models.py` says what a policy costs; this says where. It compiles the same train steps
 (same models, settings and SGD step), runs each under the TensorFlow profiler and adds up, per
 kind of compiled operation, how long its thunks ran: an XLA fusion's name without its number
 (`select_bitcast_fusion`), a library call (`MatMul`). Only innermost operations are counted (a
@@ -25,7 +25,8 @@ import tempfile
 import time
 from collections.abc import Callable
 
-import remat_policies
+import reporting
+import step_models
 import tensorflow as tf
 
 from framework.core.tf_internals import xplane_pb2
@@ -78,7 +79,7 @@ def format_table(settings: list[str], profiles: list[tuple[dict, float]], top: i
     def spread(kind: str) -> float:
         return max(abs(per_kind.get(kind, 0.0) - first.get(kind, 0.0)) for per_kind, _ in profiles)
 
-    labels = [remat_policies.SETTING_LABELS[s] for s in settings]
+    labels = [step_models.SETTING_LABELS[s] for s in settings]
     lines = [
         "| operation kind | " + " | ".join(f"{label} ms" for label in labels) + " |",
         "|---" * (len(settings) + 1) + "|",
@@ -95,11 +96,11 @@ def format_table(settings: list[str], profiles: list[tuple[dict, float]], top: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="vit_b16", choices=remat_policies.MODELS)
+    parser.add_argument("--model", default="vit_b16", choices=step_models.MODELS)
     parser.add_argument(
         "--settings",
         default="none,dots_saveable+random_masks_saveable",
-        help=f"comma-separated, the first is the reference; from {remat_policies.SETTINGS}",
+        help=f"comma-separated, the first is the reference; from {step_models.SETTINGS}",
     )
     parser.add_argument("--steps", type=int, default=3, help="profiled steps per setting")
     parser.add_argument("--top", type=int, default=20, help="operation kinds to list")
@@ -109,15 +110,15 @@ def main() -> None:
         parser.error("--steps must be at least 1")
     settings = args.settings.split(",")
     for setting in settings:
-        if setting not in remat_policies.SETTINGS:
-            parser.error(f"unknown setting {setting!r}; choose from {remat_policies.SETTINGS}")
-    spec = remat_policies.model_spec(args.model, args.quick)
+        if setting not in step_models.SETTINGS:
+            parser.error(f"unknown setting {setting!r}; choose from {step_models.SETTINGS}")
+    spec = step_models.model_spec(args.model, args.quick)
     x, y = spec.batch()
-    steps = [remat_policies.train_step(spec, remat_policies.build_model(spec, s)) for s in settings]
+    steps = [step_models.train_step(spec, step_models.build_model(spec, s)) for s in settings]
     profiles = [profile(step, x, y, args.steps) for step in steps]
     command = "python " + " ".join(["benchmarks/profile_step.py", *sys.argv[1:]])
     print(f"Command: `{command}`")
-    print(f"Machine: {remat_policies.machine()}")
+    print(f"Machine: {reporting.machine()}")
     print(f"- {args.model}: {spec.description}; milliseconds per step, mean of {args.steps}\n")
     print(format_table(settings, profiles, args.top))
 

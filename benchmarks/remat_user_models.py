@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 import tensorflow as tf
-from remat_policies import child_json, machine, write_report
+from reporting import child_json, machine, write_report
 
 MODELS = ("vit", "bert", "gpt2", "gemma", "resnet50", "convnext", "efficientnet", "mobilenetv3")
 

@@ -39,7 +39,8 @@ import time
 
 import keras
 import tensorflow as tf
-from remat_policies import REPO_DIR, child_json, machine, median_step_times, write_report
+from reporting import REPO_DIR, child_json, machine, write_report
+from step_models import median_step_times
 
 from framework import memory, models, remat
 from framework.models import transformer

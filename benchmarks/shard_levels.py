@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 
-from remat_policies import report_header, write_report
+from reporting import report_header, write_report
 
 LEVELS = ("none", "optimizer", "gradients", "weights")
 

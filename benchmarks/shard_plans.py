@@ -43,7 +43,7 @@ import re
 import sys
 import tempfile
 
-from remat_policies import child_json, report_header, write_report
+from reporting import child_json, report_header, write_report
 
 # Decoder sizes (width, blocks, heads, MLP width), each with a 32 k vocabulary by default.
 SIZES = {

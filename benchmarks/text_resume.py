@@ -7,7 +7,7 @@ A text pipeline resumes at the restored step in one of two ways (`framework/data
 the stream position its checkpoint holds (the trainer saves one per input pipeline), reading past
 the raw lines before it undecoded; or, without one, by reading its stream up to the step, the
 rows before it read, tokenized, packed and dropped. This writes a corpus of JSON lines
-(`vocab_sample.write_corpus`: made-up words from a Zipf law) into a temporary directory, learns
+(`synthetic_text.write_corpus`: made-up words from a Zipf law) into a temporary directory, learns
 its vocabulary once, records the stream's positions in one pass, and times the first batch of
 `data.text_lm` both ways at several start steps (global batch 32, sequence 128: what a resumed
 run of that shape waits before its first step). The corpus is deleted afterwards.
@@ -23,8 +23,8 @@ import sys
 import tempfile
 import time
 
-from remat_policies import machine, write_report
-from vocab_sample import write_corpus
+from reporting import machine, write_report
+from synthetic_text import write_corpus
 
 GLOBAL_BATCH, LENGTH = 32, 128
 

@@ -26,15 +26,8 @@ import sys
 import time
 
 import tensorflow as tf
-from remat_policies import (
-    MODELS,
-    ModelSpec,
-    build_model,
-    mib,
-    model_spec,
-    train_step,
-    write_report,
-)
+from reporting import mib, write_report
+from step_models import MODELS, ModelSpec, build_model, model_spec, train_step
 
 from framework.memory import tpu
 
