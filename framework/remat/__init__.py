@@ -21,6 +21,7 @@ from framework.remat.checkpoint import (
 from framework.remat.keras_model import (
     RematSavesNothingWarning,
     checkpointed_layers,
+    checkpointed_regions,
     set_grad_checkpointing,
 )
 from framework.remat.policies import OpInfo, get_policy, policy_names
@@ -43,6 +44,7 @@ __all__ = [
     "checkpoint",
     "checkpoint_name",
     "checkpointed_layers",
+    "checkpointed_regions",
     "get_policy",
     "is_checkpointed",
     "policies",

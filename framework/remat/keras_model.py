@@ -148,8 +148,19 @@ def _warn_if_single_layers(chosen: list[keras.Layer]) -> None:
 
 
 def checkpointed_layers(model: keras.Layer) -> list[keras.Layer]:
-    """The layers of `model` whose `call` is currently checkpointed."""
+    """The layers of `model` whose `call` is currently checkpointed (segments of a functional
+    graph are not layers: `checkpointed_regions` lists both)."""
     return [layer for layer in _all_layers(model) if is_checkpointed(layer)]
+
+
+def checkpointed_regions(model: keras.Layer) -> list[keras.Layer | segments.Segment]:
+    """Every region of `model` checkpointed now: its wrapped layers and the segments of its
+    functional graphs (its own and those of functional layers inside it)."""
+    found: list[keras.Layer | segments.Segment] = list(checkpointed_layers(model))
+    for layer in [model, *_all_layers(model)]:
+        if tf_internals.is_functional(layer):
+            found += segments.installed(layer)
+    return found
 
 
 def _reset_compiled_functions(model: keras.Layer) -> None:

@@ -241,7 +241,10 @@ def test_each_call_says_what_it_checkpointed(caplog):
     model = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8) for _ in range(8)])
     with caplog.at_level(logging.INFO):
         regions = remat.set_grad_checkpointing(model, policy="dots_saveable")
+        assert remat.checkpointed_regions(model) == regions  # segments, not layers
+        assert remat.checkpointed_layers(model) == []
         remat.set_grad_checkpointing(model, enable=False)
+    assert remat.checkpointed_regions(model) == [] and remat.checkpointed_layers(model) == []
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("remat:")]
     assert lines == [
         f"remat: model {model.name!r} checkpointed in {len(regions)} regions "
