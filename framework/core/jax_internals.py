@@ -91,16 +91,16 @@ def unsupported_versions_message(platform: str = "tpu") -> str | None:
     tested releases, or None."""
     found = versions()
     if platform == "tpu":
-        compiler, tested, hint = "libtpu", f"{'/'.join(SUPPORTED_LIBTPU)}.*", INSTALL_HINT
+        compiler, tested, hint = "libtpu", SUPPORTED_LIBTPU, INSTALL_HINT
     else:
-        compiler, tested, hint = "jax-cuda12-plugin", "/".join(SUPPORTED_JAX), GPU_INSTALL_HINT
+        compiler, tested, hint = "jax-cuda12-plugin", SUPPORTED_JAX, GPU_INSTALL_HINT
     if found["jax"] in SUPPORTED_JAX and found["jaxlib"] in SUPPORTED_JAX:
-        if any(found[compiler].startswith(v) for v in tested.rstrip(".*").split("/")):
+        if found[compiler].startswith(tested):  # libtpu: any build of the release
             return None
     return (
         f"jax {found['jax']}, jaxlib {found['jaxlib']} and {compiler} {found[compiler]} are "
         f"installed; the {platform.upper()} compile-only path was tested with jax and jaxlib "
-        f"{'/'.join(SUPPORTED_JAX)} and {compiler} {tested}: {hint}"
+        f"{'/'.join(SUPPORTED_JAX)} and {compiler} {'/'.join(tested)}: {hint}"
     )
 
 

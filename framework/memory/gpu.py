@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import ClassVar
 
 from framework.core.tf_internals import hlo_pb2
 from framework.memory.hlo_flops import hlo_matmul_flops
@@ -61,6 +62,7 @@ class GpuCard:
     tf32_flops: float = 0.0
     bf16_flops: float = 0.0
     accelerated: bool = False
+    kind: ClassVar[str] = "GPU"  # the device type TensorFlow names
 
     def peak(self, precision: str = "float32") -> float:
         """Dense peak FLOP/s of the card's matrix products in `precision` ("float32" or

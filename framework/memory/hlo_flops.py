@@ -19,7 +19,8 @@ def _dimensions(shape) -> list[int]:
 
 
 def _library_call(instruction) -> str | None:
-    """ "dot" or "convolution" for a GPU compiler's call of cuBLAS or cuDNN in their place."""
+    """The operation a GPU compiler's call of cuBLAS ("dot") or cuDNN ("convolution") stands
+    for, or None for any other instruction."""
     target = instruction.custom_call_target
     if instruction.opcode != "custom-call":
         return None
@@ -28,30 +29,45 @@ def _library_call(instruction) -> str | None:
     return "convolution" if target.startswith("__cudnn$conv") else None
 
 
+def _convolution_shapes(instruction, by_id: dict) -> tuple[list[int], list[int]]:
+    """(the forward convolution's output, its kernel) of a convolution. A cuDNN call keeps the
+    forward convolution's dimension numbers whatever it computes: its result is the output
+    (forward), the input's gradient (then the output is operand 0) or the kernel's gradient
+    (then the output is operand 1 and the kernel the result); the result comes first, beside
+    a workspace."""
+    operands = [_dimensions(by_id[i].shape) for i in instruction.operand_ids]
+    if instruction.opcode == "convolution":
+        return _dimensions(instruction.shape), operands[1]
+    result = _dimensions(instruction.shape.tuple_shapes[0])
+    if instruction.custom_call_target.endswith("BackwardInput"):
+        return operands[0], operands[1]
+    if instruction.custom_call_target.endswith("BackwardFilter"):
+        return operands[1], result
+    return result, operands[1]
+
+
 def _instruction_flops(instruction, by_id: dict) -> int:
-    """2 FLOPs per multiply-add of a dot or convolution. A library call keeps the operation's
-    dimension numbers (a convolution's on the instruction, a GEMM's in its backend config) and
-    returns its result first, beside a workspace."""
+    """2 FLOPs per multiply-add of a dot or convolution, or of the library call in its place."""
     kind = _library_call(instruction) or instruction.opcode
-    shape = instruction.shape
-    if shape.tuple_shapes and kind != instruction.opcode:
-        shape = shape.tuple_shapes[0]
-    out = math.prod(_dimensions(shape))
     if kind == "dot":
-        lhs = _dimensions(by_id[instruction.operand_ids[0]].shape)
+        shape = instruction.shape
         if instruction.opcode == "dot":
             contracting = list(instruction.dot_dimension_numbers.lhs_contracting_dimensions)
-        else:
+        else:  # a GEMM keeps its dimension numbers in its config, its result beside a workspace
+            shape = shape.tuple_shapes[0]
             config = json.loads(instruction.backend_config)["gemm_backend_config"]
             contracting = config["dot_dimension_numbers"]["lhs_contracting_dimensions"]
-        return 2 * out * math.prod(lhs[int(d)] for d in contracting)
+        lhs = _dimensions(by_id[instruction.operand_ids[0]].shape)
+        return 2 * math.prod(_dimensions(shape)) * math.prod(lhs[int(d)] for d in contracting)
     if kind == "convolution":
-        # Forward, input-gradient and filter-gradient convolutions alike: each is a convolution
-        # of its two operands under its dimension numbers.
-        kernel = _dimensions(by_id[instruction.operand_ids[1]].shape)
+        output, kernel = _convolution_shapes(instruction, by_id)
         numbers = instruction.convolution_dimension_numbers
         window = math.prod(kernel[d] for d in numbers.kernel_spatial_dimensions)
-        return 2 * out * window * kernel[numbers.kernel_input_feature_dimension]
+        # A strided convolution's input gradient is a convolution of the gradient spread out
+        # with zeros (its input dilated): only one input position in `dilated` is not a zero.
+        dilated = math.prod(max(1, d.base_dilation) for d in instruction.window.dimensions)
+        macs = math.prod(output) * window * kernel[numbers.kernel_input_feature_dimension]
+        return 2 * macs // dilated
     return 0
 
 

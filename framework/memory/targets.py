@@ -30,11 +30,6 @@ def target_device(name: str) -> Target:
     )
 
 
-def is_gpu(name: str) -> bool:
-    """Whether `name` names a GPU card (else a TPU chip or slice)."""
-    return isinstance(target_device(name), gpu.GpuCard)
-
-
 def compile_for_target(
     hlo_module: bytes,
     name: str,
@@ -49,7 +44,7 @@ def compile_for_target(
       MissingDependency: the extra of that compiler (`tpu` or `gpu`) is not installed.
     """
     device = target_device(name)
-    if isinstance(device, gpu.GpuCard):
+    if device.kind == "GPU":
         if replicas > 1:
             raise ValueError("a GPU plan is one card's program: plan with one replica")
         return gpu.compile_for_card(hlo_module, device, compiler_flags=compiler_flags)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
+from typing import ClassVar
 
 from framework.core.tf_internals import hlo_pb2, xla_data_pb2
 from framework.memory.xla_buffers import CompiledMemory, memory_from_hlo_proto
@@ -41,6 +42,7 @@ class TpuChip:
     chip_config: str
     hbm_bytes: int
     peak_flops: float
+    kind: ClassVar[str] = "TPU"  # the device type TensorFlow names
 
     @property
     def memory_bytes(self) -> int:

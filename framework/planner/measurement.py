@@ -296,7 +296,7 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
         # The step of one device, built on this host's CPU: the worker never claims a TPU or a
         # GPU (the run holds them), and a slice's devices split the global batch.
         bindings.append("Runtime.strategy = 'one_device'")
-        if isinstance(chip, tpu.TpuChip):
+        if chip.kind == "TPU":
             devices = tpu.tpu_devices(spec["target"])
     try:
         cli.parse_gin(spec["files"], bindings, spec["search_paths"])
@@ -337,9 +337,7 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
             compiled = targets.compile_for_target(
                 hlo, spec["target"], replicas=replicas if in_program else 1
             )
-            if isinstance(chip, gpu.GpuCard) and compiled.peak_bytes > NEAR_CAPACITY * (
-                chip.memory_bytes
-            ):
+            if chip.kind == "GPU" and compiled.peak_bytes > NEAR_CAPACITY * chip.memory_bytes:
                 unlimited = gpu.compile_for_card(hlo, chip, UNLIMITED_BYTES).peak_bytes
             plans[key] = compiled, compiled.flops, unlimited
         else:
@@ -360,8 +358,7 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
         )
         try:
             # A memory budget prices kept masks as the planned device's compiler stores them.
-            kind = "TPU" if isinstance(chip, tpu.TpuChip) else "GPU" if chip else None
-            kind = kind or distribute.device_type(trainer.strategy)
+            kind = chip.kind if chip else distribute.device_type(trainer.strategy)
             resolved = remat.get_policy(policy, mask_bits=remat.policies.MASK_BITS.get(kind, 1))
             enable = resolved is not remat.policies.everything_saveable
             remat.set_grad_checkpointing(trainer.model, policy=resolved, enable=enable)

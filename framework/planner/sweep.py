@@ -57,7 +57,7 @@ def plan_target(name: str | None, measure: str) -> str | None:
     device = targets.target_device(name)
     if measure == RUN:
         raise ValueError(f"a plan for {name} is compiled, not run: drop --measure=run")
-    jax_internals.require_compiler("gpu" if isinstance(device, gpu.GpuCard) else "tpu")
+    jax_internals.require_compiler(device.kind.lower())
     return name
 
 

@@ -14,6 +14,7 @@ import tensorflow as tf
 from framework import memory, remat
 from framework.core import jax_internals
 from framework.memory import gpu, targets
+from framework.runtime import flops
 from tests.subprocesses import REPO_DIR, run_python
 
 BATCH, WIDTH, DEPTH = 1024, 512, 4
@@ -102,6 +103,26 @@ def test_a_smaller_memory_makes_the_gpu_compiler_rematerialize():
     assert small.capacity_bytes == full.total_bytes // 2
     assert small.temp_bytes < full.temp_bytes
     assert small.flops == full.flops
+
+
+def test_flops_of_cudnn_and_strided_convolutions_are_counted_once():
+    """A strided convolution's gradient step: cuDNN's forward, input-gradient and
+    filter-gradient calls on the GPU, XLA:CPU's dilated convolutions, each 3 x the forward
+    pass's multiply-adds exactly (ResNet50's step agrees the same way between the two)."""
+    kernel = tf.Variable(tf.random.stateless_normal([3, 3, 32, 64], seed=[1, 2]))
+
+    @tf.function(jit_compile=True)
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.nn.conv2d(x, kernel, strides=2, padding="SAME")
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, [x, kernel])
+
+    x = tf.TensorSpec([8, 32, 32, 32])
+    forward = 2 * (8 * 16 * 16 * 64) * (3 * 3 * 32)
+    assert memory.compiled_bytes(step, x, target="v100").flops == 3 * forward
+    assert flops.compiled_plan_and_flops(step, x)[1] == 3 * forward
 
 
 @pytest.mark.parametrize(
