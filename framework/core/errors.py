@@ -57,3 +57,11 @@ class PreemptedError(FrameworkError):
 class RematError(FrameworkError):
     """Base class of the errors a checkpointed region raises instead of a wrong gradient
     (`framework.remat`)."""
+
+
+class RecomputationMismatchError(RematError):
+    """The recomputation of a region created different ops than its forward pass."""
+
+
+class UnreplayableRandomOpError(RematError):
+    """A stateful random op inside a region: its recomputation would draw different numbers."""

@@ -9,35 +9,34 @@ recomputation that XLA keeps. See docs/remat.md.
     block = remat.checkpoint(block_fn, policy="nothing_saveable")
     h = remat.checkpoint_name(h, "attn_out")
     remat.print_saved_residuals(loss_fn, x)
+    remat.summary(model, batch)  # what is wrapped, and the activations it saves
 """
 
-from framework.remat import policies, segments
-from framework.remat.checkpoint import (
-    checkpoint,
-    checkpoint_name,
-    is_checkpointed,
-    without_checkpoint_names,
+from framework.core.errors import (
+    RecomputationMismatchError,
+    RematError,
+    UnreplayableRandomOpError,
 )
+from framework.remat import policies, segments
+from framework.remat.checkpoint import checkpoint, is_checkpointed
 from framework.remat.keras_model import (
     RematSavesNothingWarning,
     checkpointed_layers,
     checkpointed_regions,
     set_grad_checkpointing,
 )
+from framework.remat.names import checkpoint_name, without_checkpoint_names
+from framework.remat.op_callbacks import tied_to_pass
 from framework.remat.policies import OpInfo, get_policy, policy_names
-from framework.remat.replay import (
-    RecomputationMismatchError,
-    RematError,
-    UnreplayableRandomOpError,
-    tied_to_pass,
-)
 from framework.remat.residuals import Residual, print_saved_residuals, saved_residuals
 from framework.remat.scan import scan
+from framework.remat.summary import RematSummary, summary
 
 __all__ = [
     "OpInfo",
     "RecomputationMismatchError",
     "RematError",
+    "RematSummary",
     "RematSavesNothingWarning",
     "Residual",
     "UnreplayableRandomOpError",
@@ -53,6 +52,7 @@ __all__ = [
     "saved_residuals",
     "scan",
     "segments",
+    "summary",
     "set_grad_checkpointing",
     "tied_to_pass",
     "without_checkpoint_names",

@@ -23,151 +23,64 @@ a graph is built).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from framework.core import tf_internals
-from framework.remat.effects import find_effects
+from framework.core.errors import UnreplayableRandomOpError
+from framework.remat.call_structure import CallStructure
+from framework.remat.dependencies import dependency, differentiable, in_graph, tied_input
+from framework.remat.effects import Effects, find_effects
+from framework.remat.op_callbacks import in_region
 from framework.remat.policies import Policy, everything_saveable, get_policy
-from framework.remat.replay import (
-    Region,
-    StateOrder,
-    UnreplayableRandomOpError,
-    in_graph,
-    in_region,
-    tagging,
-)
+from framework.remat.replay import Region
+from framework.remat.state_order import assign_variable, read_variable
 
-T = TypeVar("T")
-TAG_ATTR = "_remat_checkpoint_name"
-_names = threading.local()
+_switch = threading.local()
 
 
 @contextlib.contextmanager
-def without_checkpoint_names() -> Iterator[None]:
-    """In this thread, `checkpoint_name` is a plain `tf.identity` that tags nothing.
-
-    For graphs no policy will ever read, such as a model's serving function in a SavedModel
-    (`framework.export`): they then carry no attribute of the remat library.
-    """
-    previous = getattr(_names, "off", False)
-    _names.off = True
+def plain_calls() -> Iterator[None]:
+    """In this thread, checkpointed regions (and `remat.scan`'s steps) run as plain calls: the
+    step as it would be without remat, e.g. to measure what remat saves (`remat.summary`)."""
+    previous = getattr(_switch, "plain", False)
+    _switch.plain = True
     try:
         yield
     finally:
-        _names.off = previous
+        _switch.plain = previous
 
 
-def checkpoint_name(x: T, name: str) -> T:
-    """Identity that tags `x` (a tensor or nested structure of tensors) for name-based policies.
+def remat_is_on(policy: Policy) -> bool:
+    """Whether a region with `policy` recomputes in this thread (see `plain_calls`)."""
+    return policy is not everything_saveable and not getattr(_switch, "plain", False)
 
-    Outside a checkpointed region it is a plain `tf.identity`.
+
+@dataclasses.dataclass(frozen=True)
+class _RegionCall:
+    """One call of a region in graph mode, as its gradient function needs it.
+
+    Attributes:
+      region: the recorded forward pass.
+      call: runs the region's code on a list of tensors (`CallStructure.tensors()`' order).
+      tensors: the call's tensor arguments.
+      closures: the differentiable tensors the traced region closes over, seen from the caller.
+      effects: the variables the region writes.
+      snapshots: their values before the call, read in the caller's graph.
     """
-    if getattr(_names, "off", False):
-        return tf.nest.map_structure(tf.identity, x)
 
-    def tag(t):
-        with tagging(name):
-            out = tf.identity(t)
-        if not tf_internals.executing_eagerly():
-            tf_internals.set_string_attr(out.op, TAG_ATTR, name)
-        return out
-
-    return tf.nest.map_structure(tag, x)
-
-
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, tf.Tensor)
-
-
-def _differentiable(t: Any) -> bool:
-    return t is not None and (t.dtype.is_floating or t.dtype.is_complex)
-
-
-def _dependency(tensors: list) -> tf.Tensor:
-    """A float32 zero that cannot be computed before `tensors` exist (NaN-safe, reads 1 element
-    of each of the first two floating-point tensors)."""
-    zero = tf.constant(0.0)
-    used = 0
-    for t in tensors:
-        if _differentiable(t) and used < 2:
-            elem = tf.reduce_max(tf.math.real(tf.reshape(t, [-1])[:1]))
-            elem_bool = tf.cast(elem, tf.bool)
-            zero = zero + tf.where(tf.equal(elem_bool, elem_bool), 0.0, float("nan"))
-            used += 1
-    return zero
-
-
-def _offset(t: tf.Tensor, dep: tf.Tensor) -> tf.Tensor:
-    t = tf.identity(t)
-    if _differentiable(t):
-        return t + tf.cast(dep, t.dtype)
-    return t
-
-
-def _signature(
-    args: tuple, kwargs: dict, flat: list, state: tf_internals.KerasCallState
-) -> tuple | None:
-    """A hashable key for an eager call: its structure, tensor shapes and dtypes (and Keras
-    masks), the other values as they are, the Keras call state (None when one of them cannot
-    be hashed: such calls are traced every time)."""
-
-    def leaf(x):
-        if _is_tensor(x):
-            mask = _mask(x)
-            return (tuple(x.shape), x.dtype, None if mask is None else tuple(mask.shape))
-        if isinstance(x, tf.Variable):
-            return (type(x), x.ref())
-        return (type(x), x)
-
-    structure = repr(tf.nest.map_structure(lambda _: None, (args, kwargs)))
-    key = (structure, tuple(leaf(x) for x in flat), state)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
-class _Layout:
-    """The structure of a region's results: where its tensors go among the other values, and
-    which of them carry a Keras mask (returned after the tensors, attached again by `pack`)."""
-
-    def __init__(self, out: Any):
-        self.structure = out
-        self.flat = tf.nest.flatten(out, expand_composites=True)
-        self.positions = [i for i, x in enumerate(self.flat) if _is_tensor(x)]
-        self.masked = [k for k, i in enumerate(self.positions) if _mask(self.flat[i]) is not None]
-
-    def tensors(self) -> list[tf.Tensor]:
-        tensors = [self.flat[i] for i in self.positions]
-        return tensors + [_mask(tensors[k]) for k in self.masked]
-
-    def pack(self, tensors: list[tf.Tensor]) -> Any:
-        flat = list(self.flat)
-        for i, t in zip(self.positions, tensors):
-            flat[i] = t
-        n = len(self.positions)
-        _attach_masks([flat[i] for i in self.positions], self.masked, tensors[n:])
-        return tf.nest.pack_sequence_as(self.structure, flat, expand_composites=True)
-
-
-def _mask(t: Any) -> tf.Tensor | None:
-    mask = tf_internals.keras_mask(t)
-    return mask if _is_tensor(mask) else None
-
-
-def _attach_masks(tensors: list[tf.Tensor], masked: list[int], masks: list[tf.Tensor]) -> None:
-    """Attaches `masks[j]` to `tensors[masked[j]]`: Keras masks ride on tensors as attributes,
-    which a function's inputs and outputs do not carry, so regions pass them as tensors."""
-    for k, mask in zip(masked, masks, strict=True):
-        tf_internals.set_keras_mask(tensors[k], mask)
+    region: Region
+    call: Callable[[list[tf.Tensor]], object]
+    tensors: list[tf.Tensor]
+    closures: list[tf.Tensor]
+    effects: Effects
+    snapshots: list[tf.Tensor]
 
 
 class Checkpointed:
@@ -177,9 +90,9 @@ class Checkpointed:
     `inspect.unwrap` follow that attribute to the plain function and would silently skip remat.
     """
 
-    def __init__(self, fn: Callable, policy: str | Policy | None = "nothing_saveable"):
+    def __init__(self, fn: Callable, policy: Policy):
         self.fn = fn
-        self.policy = get_policy(policy)
+        self.policy = policy
         self.label = getattr(fn, "__qualname__", None) or type(fn).__name__
         for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
             if hasattr(fn, attr):
@@ -194,38 +107,32 @@ class Checkpointed:
 
     @tf.autograph.experimental.do_not_convert
     def __call__(self, *args, **kwargs):
-        if self.policy is everything_saveable:
+        if not remat_is_on(self.policy):
             return self.fn(*args, **kwargs)
         if not tf_internals.tape_is_active() and not in_region():
             return self.fn(*args, **kwargs)
-        flat = tf.nest.flatten((args, kwargs))
-        positions = [i for i, x in enumerate(flat) if _is_tensor(x)]
-        masked = [k for k, i in enumerate(positions) if _mask(flat[i]) is not None]
+        # Composite arguments (ragged, sparse) stay whole: the traced region captures them.
+        arguments = CallStructure((args, kwargs), expand_composites=False)
         fn = tf_internals.autograph_like_caller(self.fn)
         # What the enclosing Keras layer call hands down (`training`, autocast): the
         # recomputation runs in it again, whether or not the code passes `training` on.
         state = tf_internals.keras_call_state()
 
         def call(tensors):
-            full = list(flat)
-            for i, t in zip(positions, tensors):
-                full[i] = t
-            _attach_masks(tensors, masked, tensors[len(positions) :])
-            a, kw = tf.nest.pack_sequence_as((args, kwargs), full)
+            a, kw = arguments.pack(tensors)
             return fn(*a, **kw)
 
-        tensors = [flat[i] for i in positions]
-        tensors += [_mask(tensors[k]) for k in masked]
+        tensors = arguments.tensors()
         if not tf_internals.executing_eagerly():
             return self._region(call, tensors, state)
-        key = _signature(args, kwargs, flat, state)
+        key = arguments.eager_key(state)
         if key is not None:  # each replica of a strategy captures its own variables
             key = (key, tf_internals.current_device())
         if key not in self._traced:
-            layouts: list[_Layout] = []
+            layouts: list[CallStructure] = []
 
             def traced(*inputs):
-                layouts.append(_Layout(self._region(call, list(inputs), state)))
+                layouts.append(CallStructure(self._region(call, list(inputs), state)))
                 return layouts[-1].tensors()
 
             function = tf_internals.trace_function(traced, *tensors)
@@ -240,12 +147,12 @@ class Checkpointed:
         """One call of the region in graph mode: traced forward function, gradient attached.
         `state` is the Keras call state the region is called in."""
         region = Region(self.policy, self.label)
-        layouts: list[_Layout] = []
+        layouts: list[CallStructure] = []
 
         def forward(*inputs):
-            dep = _dependency(list(inputs))
+            dep = dependency(list(inputs))
             with region.recording(dep):
-                layouts.append(_Layout(call(list(inputs))))
+                layouts.append(CallStructure(call(list(inputs))))
             return layouts[-1].tensors() + region.saved()
 
         function = tf_internals.trace_function(forward, *tensors)
@@ -261,9 +168,12 @@ class Checkpointed:
             )
         graph = tf.compat.v1.get_default_graph()
         # Captured eager tensors (closures, variable handles) as this graph sees them.
-        closures = [in_graph(c, graph) for c in function.captured_inputs if _differentiable(c)]
+        closures = [in_graph(c, graph) for c in function.captured_inputs if differentiable(c)]
         with tf_internals.stop_recording():
-            snapshots = [_read(graph, in_graph(w.handle, graph), w.dtype) for w in effects.writes]
+            snapshots = [
+                read_variable(graph, in_graph(w.handle, graph), w.dtype) for w in effects.writes
+            ]
+        region_call = _RegionCall(region, call, tensors, closures, effects, snapshots)
         n_out = len(layout.tensors())
 
         def run() -> list[tf.Tensor]:
@@ -279,7 +189,7 @@ class Checkpointed:
         results: list[tf.Tensor] = []  # the region's results as the rest of the step reads them
 
         @tf.custom_gradient
-        def attach(*differentiable):
+        def attach(*sources):
             outputs = run()
 
             def grad_fn(*dy, variables=None):
@@ -289,61 +199,65 @@ class Checkpointed:
                     None if _unused(r) and _filled_with_zeros(g) else g for r, g in zip(results, dy)
                 ]
                 with tf_internals.keras_call_state_entered(state):
-                    grads = self._backward(
-                        region, call, tensors, closures, effects, snapshots, dy, variables
-                    )
-                return grads[: len(tensors) + len(closures)], grads[len(tensors) + len(closures) :]
+                    grads = _backward(region_call, dy, variables)
+                n_inputs = len(tensors) + len(closures)
+                return grads[:n_inputs], grads[n_inputs:]
 
             return outputs, grad_fn
 
         results.extend(attach(*tensors, *closures))
         return layout.pack(results)
 
-    def _backward(self, region, call, tensors, closures, effects, snapshots, dy, variables):
-        """Gradients for tensors + closures + variables, from a recomputation of the region."""
-        graph = tf.compat.v1.get_default_graph()
-        dep = _dependency(list(dy) + list(tensors) + list(closures))
-        # Closed-over tensors and variable handles, as the region's own code sees them from here:
-        # it refers to the outermost tensor (an eager handle, say), not to a capture of a capture.
-        handles = [in_graph(tf_internals.outermost(w.handle), graph) for w in effects.writes]
-        with tf_internals.stop_recording():
-            current = [_read(graph, h, w.dtype) for h, w in zip(handles, effects.writes)]
-            for h, s in zip(handles, snapshots):
-                _assign(graph, h, in_graph(s, graph))
-        inputs = [_offset(t, dep) for t in tensors]
-        # Closed-over tensors are differentiated as the region's code refers to them: the outermost
-        # tensor, seen from this graph; an eager tensor as itself (the tape then also follows the
-        # function calls that captured it directly).
-        outer = [tf_internals.outermost(c) for c in closures]
-        closures = [o if not tf.is_symbolic_tensor(o) else in_graph(o, graph) for o in outer]
-        with tf.GradientTape() as tape:
-            sources = [t for t in inputs if _differentiable(t)]
-            sources += closures + variables
-            tape.watch(sources)
-            with region.replaying(dep, handles):
-                layout = _Layout(call(inputs))
-        tf_internals.pass_eager_captures_through_loop(graph)
-        targets, upstream = [], []
-        for t, g in zip(layout.tensors(), dy):
-            if g is not None and _differentiable(t):
-                targets.append(t)
-                upstream.append(g)
-        grads = iter(
-            tape.gradient(
-                targets,
-                sources,
-                output_gradients=upstream,
-                unconnected_gradients=tf.UnconnectedGradients.NONE,
-            )
+
+def _backward(
+    forward: _RegionCall, dy: list, variables: list[tf.Variable]
+) -> list[tf.Tensor | None]:
+    """Gradients for the call's tensors, closures and `variables`, in that order, from a
+    recomputation of the region: `dy` are the upstream gradients of its results."""
+    region, effects = forward.region, forward.effects
+    graph = tf.compat.v1.get_default_graph()
+    dep = dependency(list(dy) + forward.tensors + forward.closures)
+    # Closed-over tensors and variable handles, as the region's own code sees them from here:
+    # it refers to the outermost tensor (an eager handle, say), not to a capture of a capture.
+    handles = [in_graph(tf_internals.outermost(w.handle), graph) for w in effects.writes]
+    with tf_internals.stop_recording():
+        current = [read_variable(graph, h, w.dtype) for h, w in zip(handles, effects.writes)]
+        for h, s in zip(handles, forward.snapshots):
+            assign_variable(graph, h, in_graph(s, graph))
+    inputs = [tied_input(t, dep) for t in forward.tensors]
+    # Closed-over tensors are differentiated as the region's code refers to them: the outermost
+    # tensor, seen from this graph; an eager tensor as itself (the tape then also follows the
+    # function calls that captured it directly).
+    outer = [tf_internals.outermost(c) for c in forward.closures]
+    closures = [o if not tf.is_symbolic_tensor(o) else in_graph(o, graph) for o in outer]
+    with tf.GradientTape() as tape:
+        sources = [t for t in inputs if differentiable(t)]
+        sources += closures + variables
+        tape.watch(sources)
+        with region.replaying(dep, handles):
+            results = CallStructure(forward.call(inputs))
+    tf_internals.pass_eager_captures_through_loop(graph)
+    targets, upstream = [], []
+    for t, g in zip(results.tensors(), dy):
+        if g is not None and differentiable(t):
+            targets.append(t)
+            upstream.append(g)
+    grads = iter(
+        tape.gradient(
+            targets,
+            sources,
+            output_gradients=upstream,
+            unconnected_gradients=tf.UnconnectedGradients.NONE,
         )
-        flat = [next(grads) if _differentiable(t) else None for t in inputs]
-        flat += list(grads)
-        with tf_internals.stop_recording():
-            finals = [_assign(graph, h, c) for h, c in zip(handles, current)]
-        if finals:
-            with tf.control_dependencies(finals):
-                flat = [None if g is None else _identity(g) for g in flat]
-        return flat
+    )
+    flat = [next(grads) if differentiable(t) else None for t in inputs]
+    flat += list(grads)
+    with tf_internals.stop_recording():
+        finals = [assign_variable(graph, h, c) for h, c in zip(handles, current)]
+    if finals:
+        with tf.control_dependencies(finals):
+            flat = [None if g is None else _identity(g) for g in flat]
+    return flat
 
 
 def _unused(result: tf.Tensor) -> bool:
@@ -369,32 +283,20 @@ def _identity(gradient):
     return tf.nest.map_structure(tf.identity, gradient, expand_composites=True)
 
 
-def _read(graph: tf.Graph, handle: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
-    value = tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype)
-    StateOrder.chain(graph, handle, [value.op])
-    return value
-
-
-def _assign(graph: tf.Graph, handle: tf.Tensor, value: tf.Tensor) -> tf.Operation:
-    op = tf.raw_ops.AssignVariableOp(resource=handle, value=value)
-    StateOrder.chain(graph, handle, [op])
-    return op
-
-
 def loops_over_steps(layer: keras.layers.Layer) -> bool:
     """Whether `layer` applies its own steps in a loop and checkpoints each step itself (e.g.
     `framework.models.scan.ScannedBlocks`): it has `remat_policy` and `set_remat_policy`."""
     return callable(getattr(layer, "set_remat_policy", None))
 
 
-def _checkpoint_layer(layer: keras.layers.Layer, policy: str | Policy | None):
+def _checkpoint_layer(layer: keras.layers.Layer, policy: Policy):
     if loops_over_steps(layer):
-        layer.set_remat_policy(None if get_policy(policy) is everything_saveable else policy)
+        layer.set_remat_policy(None if policy is everything_saveable else policy)
         return layer
     original = layer.__dict__.get("_remat_original_call")
     if original is None:
         original = layer.call
-    if get_policy(policy) is everything_saveable:
+    if policy is everything_saveable:
         unwrap_layer(layer)
         return layer
     wrapped = Checkpointed(original, policy)
@@ -412,6 +314,15 @@ def unwrap_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
         del layer.__dict__["call"]
         del layer.__dict__["_remat_original_call"]
     return layer
+
+
+def layer_policy(layer: keras.layers.Layer) -> Policy | None:
+    """The policy `layer` is checkpointed with (each step's, for a layer that loops over its
+    steps), or None when it is not checkpointed."""
+    if loops_over_steps(layer):
+        return None if layer.remat_policy is None else get_policy(layer.remat_policy)
+    wrapped = layer.__dict__.get("call")
+    return wrapped.policy if isinstance(wrapped, Checkpointed) else None
 
 
 def is_checkpointed(layer: keras.layers.Layer) -> bool:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
-from framework.remat.checkpoint import TAG_ATTR
+from framework.remat.names import TAG_ATTR
 from framework.remat.replay import KEPT_ATTR
 
 

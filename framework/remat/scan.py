@@ -33,9 +33,11 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from framework.core import tf_internals
-from framework.remat.checkpoint import _dependency, _differentiable, _offset
-from framework.remat.policies import Policy, everything_saveable, get_policy
-from framework.remat.replay import Region, RematError
+from framework.core.errors import RematError
+from framework.remat.checkpoint import remat_is_on
+from framework.remat.dependencies import dependency, differentiable, tied_input
+from framework.remat.policies import Policy, get_policy
+from framework.remat.replay import Region
 
 Step = Callable[[tf.Tensor, list, list], tuple]
 
@@ -72,14 +74,14 @@ def scan(
         raise ValueError("remat.scan needs at least one stacked input with a static length")
     length = int(xs[0].shape[0])
     policy = get_policy(policy)
-    if policy is everything_saveable:
+    if not remat_is_on(policy):
         return _plain_loop(step, carry, xs, consts, length)
     region = Region(policy, label)
     call_state = tf_internals.keras_call_state()
     n_x, n_y = len(xs), []
 
     def forward(h, *args):
-        with region.recording(_dependency([h])):
+        with region.recording(dependency([h])):
             new_h, ys = step(h, list(args[:n_x]), list(args[n_x:]))
         n_y.append(len(ys))
         return [new_h, *ys, *region.saved()]
@@ -116,7 +118,7 @@ def scan(
         ys = [a.stack() for a in ys]
 
         def grad_fn(d_h, *d_ys):
-            d_ys = [g if _differentiable(y) else None for y, g in zip(ys, d_ys)]
+            d_ys = [g if differentiable(y) else None for y, g in zip(ys, d_ys)]
             with tf_internals.keras_call_state_entered(call_state):
                 return _backward(
                     step, region, carries, stacked, whole, kept, d_h, d_ys, length, n_x
@@ -164,10 +166,10 @@ def _backward(step, region, carries, stacked, whole, kept, d_h, d_ys, length, n_
         consts = list(args[n_x : len(args) - n_kept - len(upstream)])
         region.keep(list(args[len(args) - n_kept - len(upstream) : len(args) - len(upstream)]))
         d_y_slices = list(args[len(args) - len(upstream) :])
-        dep = _dependency([d_out, h])
-        h = _offset(h, dep)
+        dep = dependency([d_out, h])
+        h = tied_input(h, dep)
         with tf.GradientTape() as tape:
-            sources = [h] + [t for t in slices + consts if _differentiable(t)]
+            sources = [h] + [t for t in slices + consts if differentiable(t)]
             tape.watch(sources)
             with region.replaying(dep, []):
                 new_h, ys = step(h, slices, consts)
@@ -191,10 +193,10 @@ def _backward(step, region, carries, stacked, whole, kept, d_h, d_ys, length, n_
     )
     backward_fn = tf_internals.trace_function(backward, *specs)
     has_grad = connected[0]
-    sources = [carries] + [t for t in list(stacked) + list(whole) if _differentiable(t)]
+    sources = [carries] + [t for t in list(stacked) + list(whole) if differentiable(t)]
     # Source 0 is the carry; then the stacked inputs (a slot per step), then the constants
     # (summed over the steps).
-    n_stacked = sum(_differentiable(x) for x in stacked)
+    n_stacked = sum(differentiable(x) for x in stacked)
     live = [k for k, has in enumerate(has_grad) if has]
     slots = [k for k in live if 1 <= k <= n_stacked]
     sums = [k for k in live if k > n_stacked]
@@ -231,8 +233,8 @@ def _backward(step, region, carries, stacked, whole, kept, d_h, d_ys, length, n_
     by_source.update(dict(zip(sums, totals)))
     flat = iter(by_source.get(k) for k in range(len(sources)))
     results = [next(flat)]
-    results += [next(flat) if _differentiable(t) else None for t in stacked]
-    results += [next(flat) if _differentiable(t) else None for t in whole]
+    results += [next(flat) if differentiable(t) else None for t in stacked]
+    results += [next(flat) if differentiable(t) else None for t in whole]
     return results
 
 
@@ -271,7 +273,7 @@ def _check_captures(function, label: str) -> None:
     would get no gradient from this loop's gradient function."""
     for captured in function.captured_inputs:
         if captured.dtype == tf.resource or (
-            tf.is_symbolic_tensor(captured) and _differentiable(captured)
+            tf.is_symbolic_tensor(captured) and differentiable(captured)
         ):
             raise RematError(
                 f"The steps of remat.scan {label!r} read a variable or close over a tensor "

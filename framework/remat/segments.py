@@ -25,7 +25,7 @@ import keras
 
 from framework.core import tf_internals
 from framework.remat.checkpoint import checkpoint
-from framework.remat.policies import Policy
+from framework.remat.policies import Policy, get_policy
 
 
 @dataclasses.dataclass
@@ -35,6 +35,7 @@ class Segment:
     nodes: list
     inputs: list  # Keras tensors the segment reads from before it
     outputs: list  # Keras tensors it produces that are read after it (or are model outputs)
+    policy: Policy | None = None  # what it is checkpointed with, once installed
 
     @property
     def layers(self) -> list[keras.Layer]:
@@ -126,6 +127,8 @@ class SegmentedGraph:
 
     def __init__(self, model: keras.Model, found: list[Segment], policy: str | Policy):
         self.segments = found
+        for segment in found:
+            segment.policy = get_policy(policy)
         self.graph = tf_internals.functional_graph(model)
         starts = {id(s.nodes[0]): s for s in found}
         members = {id(node) for s in found for node in s.nodes}

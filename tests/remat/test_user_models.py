@@ -279,3 +279,25 @@ def test_selections_that_match_nothing_or_save_nothing_are_loud():
         assert remat.set_grad_checkpointing(skip) == []
     with pytest.raises(ValueError, match="no place where one tensor"):
         remat.set_grad_checkpointing(skip, every=1)
+
+
+@pytest.mark.parametrize("name", ["vit", "mobilenetv3"])
+def test_summary_says_what_is_wrapped_and_what_it_saves(name):
+    model, x = _hub(name) if name == "vit" else _application(name)
+    lines: list[str] = []
+    remat.set_grad_checkpointing(model, policy="nothing_saveable")
+    report = remat.summary(model, x, print_fn=lines.append)
+    regions = remat.checkpointed_regions(model)
+    assert [r.name for r in report.regions] == [r.name for r in regions]
+    assert {r.policy for r in report.regions} == {"nothing_saveable"}
+    if name == "vit":  # keras-hub's blocks are layers; keras.applications' are graph segments
+        assert {r.kind for r in report.regions} == {"ViTEncoderBlock"}
+    else:
+        assert all(r.kind.startswith("segment of ") for r in report.regions)
+    assert report.kept_with_remat < 0.6 * report.kept_without_remat
+    assert lines == [str(report)] and f"{len(regions)} checkpointed regions" in lines[0]
+    # What it calls "without remat" is the model with checkpointing removed, to the byte.
+    remat.set_grad_checkpointing(model, enable=False)
+    plain = remat.summary(model, x, print_fn=None)
+    assert plain.regions == () and plain.kept_with_remat == report.kept_without_remat
+    assert str(plain).startswith(f"remat: model {model.name!r} has no checkpointed region")

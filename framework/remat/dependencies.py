@@ -1,0 +1,55 @@
+"""Data dependencies XLA cannot reorder: a zero computed from some tensors, added to another.
+
+A region's forward pass and its recomputation start from their inputs plus such a zero (tied to
+the inputs, then to the upstream gradient, as in `tf.recompute_grad`), so XLA can neither hoist
+the recomputation into the forward pass nor merge the two. A control dependency would not do:
+XLA drops those.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+
+def differentiable(t: Any) -> bool:
+    """Whether `t` is a tensor a gradient flows to (floating or complex)."""
+    return t is not None and (t.dtype.is_floating or t.dtype.is_complex)
+
+
+def dependency(tensors: list) -> tf.Tensor:
+    """A float32 zero that cannot be computed before `tensors` exist (NaN-safe, reads 1 element
+    of each of the first two floating-point tensors)."""
+    zero = tf.constant(0.0)
+    used = 0
+    for t in tensors:
+        if differentiable(t) and used < 2:
+            elem = tf.reduce_max(tf.math.real(tf.reshape(t, [-1])[:1]))
+            elem_bool = tf.cast(elem, tf.bool)
+            zero = zero + tf.where(tf.equal(elem_bool, elem_bool), 0.0, float("nan"))
+            used += 1
+    return zero
+
+
+def with_dep(t: tf.Tensor, dep: tf.Tensor) -> tf.Tensor:
+    """`t` plus a zero: the same value, but not computable before `dep` exists."""
+    if t.dtype == tf.bool:
+        return tf.logical_or(t, tf.cast(dep, tf.bool))
+    if t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex:
+        return t + tf.cast(dep, t.dtype)
+    return t
+
+
+def tied_input(t: tf.Tensor, dep: tf.Tensor) -> tf.Tensor:
+    """A recomputation's input: a new tensor (the tape watches it apart from `t`), tied to `dep`
+    when a gradient flows to it."""
+    t = tf.identity(t)
+    return with_dep(t, dep) if differentiable(t) else t
+
+
+def in_graph(t: tf.Tensor, graph: tf.Graph) -> tf.Tensor:
+    """`t` as seen from `graph`: itself, or the placeholder through which `graph` captures it."""
+    if getattr(t, "graph", None) is graph:
+        return t
+    return graph.capture(t)
