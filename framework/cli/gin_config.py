@@ -1,0 +1,125 @@
+"""Gin for the binaries: config files and bindings parsed with errors a user can act on, a run's
+recorded config.gin read without running code, and gin names checked against the code.
+
+Gin's own errors name Python internals and its file lookup logs errors for files it then finds;
+a `config.gin` from a model directory may come from anywhere. Every failure here is one
+`UsageError` line.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import gin
+from gin import config_parser
+
+from framework.cli.runner import first_line
+from framework.core.errors import UsageError
+
+# The statements of a gin file that run code or read files: refused in a run's config.gin.
+RUN_CODE = (config_parser.ImportStatement, config_parser.IncludeStatement)
+
+
+def binding_name(configurable: Callable, parameter: str, module: str | None = None) -> str:
+    """The gin name of `parameter` of `configurable`, e.g. "Trainer.remat_policy": checked
+    against its signature, so a renamed argument fails here, not as a binding gin ignores.
+    A class registered under another name says so in its `gin_name`."""
+    target = configurable.__init__ if inspect.isclass(configurable) else configurable
+    name = getattr(configurable, "gin_name", configurable.__name__)
+    if parameter not in inspect.signature(target).parameters:
+        raise TypeError(f"{name} has no parameter {parameter!r}")
+    return ".".join(filter(None, (module, name, parameter)))
+
+
+def bound_value(name: str) -> object:
+    """The value gin binds to `name`, or None when nothing binds it."""
+    try:
+        return gin.query_parameter(name)
+    except ValueError:
+        return None
+
+
+def _not_gin_lookup(record: logging.LogRecord) -> bool:
+    return record.module != "resource_reader"
+
+
+def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str]) -> None:
+    """Parses gin files and bindings; a missing file or a bad binding becomes a UsageError.
+
+    Files are resolved here and given to gin by their full path: gin's own lookup logs an error
+    line for every search path that does not hold the file, even when another does.
+    """
+    paths = [gin_file_path(name, search_paths) for name in files]
+    for path in search_paths:  # for `include` lines inside the files
+        gin.add_config_file_search_path(path)
+    # An `include` still goes through gin's lookup, which logs `Path not found` at ERROR level for
+    # each place that does not hold the file before the search path that does.
+    logging.getLogger().addFilter(_not_gin_lookup)
+    try:
+        gin.parse_config_files_and_bindings(paths, bindings, finalize_config=True)
+    except (ValueError, SyntaxError, KeyError, TypeError, OSError) as error:
+        message = _gin_error_message(error, bindings)
+        raise UsageError(f"bad gin configuration: {message}") from None
+
+
+def gin_file_path(name: str, search_paths: Sequence[str]) -> str:
+    """The path of gin file `name`: as given, or under the first search path that holds it."""
+    found = [Path(root, name) for root in ("", *search_paths) if Path(root, name).is_file()]
+    if not found:
+        raise UsageError(f"gin file {name!r} not found (searched: {', '.join(search_paths)})")
+    return str(found[0])
+
+
+# How gin reports a value it cannot read: Python's `literal_eval` error (which names an AST
+# node by its address) followed by gin's own line.
+_UNREADABLE_VALUE = re.compile(
+    r"malformed node or string(?: on line \d+)?: <ast\.\w+ object at 0x[0-9a-f]+>\s*"
+    r"Failed to parse token '(?P<token>[^']*)'(?P<where>.*)"
+)
+
+
+def _gin_error_message(error: BaseException, bindings: Sequence[str]) -> str:
+    """Gin's error in one line, a value it cannot read said plainly, in the binding it is in
+    (gin numbers the bindings' lines, one binding a line)."""
+    message = " ".join(str(error).split())
+    match = _UNREADABLE_VALUE.search(message)
+    if match is None:
+        return message
+    where = match["where"].strip()
+    line = re.fullmatch(r"\(line (\d+)\)", where)
+    if line and 1 <= int(line[1]) <= len(bindings):
+        where = f"in the binding {bindings[int(line[1]) - 1].strip()!r}"
+    return (
+        f"cannot read the value {match['token']!r} {where}: a value is a Python literal (10, "
+        "0.1, 'text' in quotes, True, [1, 2]) or a @reference"
+    )
+
+
+def parse_run_config(text: str, source: str) -> None:
+    """Binds the `config.gin` a run recorded, with this project's registrations only.
+
+    A gin file is code: an `import` line imports (runs) any module on the path and `include`
+    reads another file. A model directory may come from anywhere, so reading a run's config must
+    not run either: both are refused before gin sees the text, and a name the project does not
+    register is an error instead of an import.
+    """
+    try:
+        delegate = gin.config.ParserDelegate(skip_unknown=False)
+        for statement in config_parser.ConfigParser(text, delegate):
+            if isinstance(statement, RUN_CODE):
+                where = statement.location
+                raise UsageError(
+                    f"{source}, line {where.line_num}: {where.line_content.strip()!r}: a run's "
+                    "config is read without running its imports or includes (gin files are "
+                    "code); register what it needs in framework/configurables.py instead"
+                )
+        gin.parse_config(text)
+    except (ValueError, SyntaxError, KeyError, TypeError) as error:
+        raise UsageError(
+            f"cannot read {source}: {first_line(error)} (a run's config may only use the names "
+            "this project registers)"
+        ) from None
