@@ -16,9 +16,10 @@ from framework.data.text import json_lines
 DOCUMENT_UNITS = ("line", "paragraph", "file")
 
 # A corpus shipped with the package, so that the example language-model configs run anywhere
-# without a download: a frozen copy of three of this project's documentation pages (about 75 KB),
-# its own file, so that editing the documentation does not change their data.
-# Gin names it %data.SAMPLE_CORPUS.
+# without a download: the prose of this project's documentation pages (about 75 KB: paragraphs,
+# no tables or code, and no sentence with a digit in it, so it carries no measured figure that
+# could go stale), frozen in its own file so that editing the documentation does not change the
+# data. Gin names it %data.SAMPLE_CORPUS.
 SAMPLE_CORPUS = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "corpus", "framework_docs.txt"
 )

@@ -467,3 +467,10 @@ def test_each_text_source_trains_through_the_binary(token_files, tmp_path, caplo
                 assert sample.load_run(str(tmp_path / name))[1] == list(source.vocab())
             targets = sum(len(c) - 1 for d in documents for c in _chunks(list(d), 16))
         assert "step 2/2" in log and f"on {targets} targets" in log, (name, log[-2000:])
+
+
+def test_the_shipped_sample_corpus_carries_no_figure():
+    """The corpus is prose of the docs, frozen: a measured figure in it would go stale."""
+    corpus = open(text.SAMPLE_CORPUS, encoding="utf-8").read()
+    assert len(corpus) > 50_000 and corpus.count("\n\n") > 100
+    assert not re.search(r"\d", corpus)
