@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from framework.core.errors import PreemptedError
+from framework.core.releases import SUPPORTED_TENSORFLOW, is_supported_tensorflow
 from launch.tpu.errors import LaunchError
 from launch.tpu.gcloud import (
     QUEUED_WAITING,
@@ -32,7 +34,6 @@ from launch.tpu.records import RECORDED, record_path, save_record
 from launch.tpu.remote import (
     EXIT_NOT_READY,
     EXIT_REFUSED,
-    PREEMPTED_EXIT_CODE,
     TF_VERSION_SNIPPET,
     USER_CONFIGS,
     install_script,
@@ -43,14 +44,11 @@ from launch.tpu.remote import (
     training_state_script,
 )
 from launch.tpu.topology import (
-    PLANNABLE,
-    SUPPORTED_TENSORFLOW,
-    TPU_PEAK_TFLOPS,
     TpuRuntime,
-    accelerator_family,
     default_runtime,
     is_multi_host,
     newest_runtime,
+    tpu_generation,
 )
 
 # The checkout the launcher ships to the TPU VMs.
@@ -92,8 +90,7 @@ def check_tensorflow(args: argparse.Namespace, runner: Runner) -> None:
             if len(words) == 3 and words[0] == "tensorflow-distribution"
         }
     )
-    minors = {".".join(version.split(".")[:2]) for _, version in found}  # "-" for none
-    if found and minors <= set(SUPPORTED_TENSORFLOW):
+    if found and all(is_supported_tensorflow(version) for _, version in found):
         print(f"TensorFlow {', '.join(v for _, v in found)} on every worker", flush=True)
         return
     seen = ", ".join("missing" if n == "none" else f"{n} {v}" for n, v in found) or "unknown"
@@ -185,15 +182,18 @@ def training_command(
     `--gin.` bindings still override it. On a pod the TPU's name reaches the resolver both as the
     `Runtime.tpu` binding and as TPU_NAME, and TPU_LOAD_LIBRARY=0 keeps the client from loading
     libtpu, which the hosts' TPU worker services own (Google's TF pod tests set the same two).
-    The device's peak TFLOP/s and the accelerator type itself (for the TPU compiler's plans)
-    are bound from the accelerator type, unless the user binds them.
+    The peak TFLOP/s of one TensorFlow device (what MFU is measured against: TPUs report no type
+    to TensorFlow) is bound from the accelerator type, and so is the accelerator type itself
+    where the TPU compiler plans for its chip (so `Trainer.remat_policy = "auto"` plans for the
+    chip the run has; `Runtime` accepts no other); a binding of the user's own wins.
     """
-    peak = []
-    family = accelerator_family(accelerator_type)[0]
+    generation = tpu_generation(accelerator_type)
+    bindings = []
     if not any("Runtime.peak_tflops" in arg for arg in args.train_args):
-        peak = [f"--gin.Runtime.peak_tflops={TPU_PEAK_TFLOPS[family]}"]
-    if family in PLANNABLE and not any("Runtime.accelerator_type" in a for a in args.train_args):
-        peak.append(f'--gin.Runtime.accelerator_type="{accelerator_type}"')
+        bindings.append(f"--gin.Runtime.peak_tflops={generation.peak_flops_per_device / 1e12}")
+    plannable = generation.compile_only_topology is not None
+    if plannable and not any("Runtime.accelerator_type" in arg for arg in args.train_args):
+        bindings.append(f'--gin.Runtime.accelerator_type="{accelerator_type}"')
     if is_multi_host(accelerator_type):
         flags = ["--gin_file=runtime/tpu_pod.gin", f'--gin.Runtime.tpu="{args.name}"']
         environment = {"TPU_NAME": args.name, "TPU_LOAD_LIBRARY": "0"}
@@ -203,7 +203,7 @@ def training_command(
             "NEXT_PLUGGABLE_DEVICE_USE_C_API": "true",
             "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": "/lib/libtpu.so",
         }
-    return [*args.train_args, *flags, *peak], environment
+    return [*args.train_args, *flags, *bindings], environment
 
 
 def start_training(args: argparse.Namespace, runner: Runner) -> None:
@@ -317,7 +317,7 @@ def watch(args: argparse.Namespace, runner: Runner) -> None:
                 print(f"training on {args.name} finished", flush=True)
                 return
             restartable = training.state in ("lost", "never") or (
-                training.status == PREEMPTED_EXIT_CODE and not training.stopped
+                training.status == PreemptedError.exit_status and not training.stopped
             )
             if not restartable:
                 status = training.status if training.status is not None else 1
