@@ -5,7 +5,7 @@ directory per worker, so these tests cover the lifecycle itself (queued create, 
 logs, status, stop, preemption and resume), not only the command strings.
 """
 
-import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from framework.memory import tpu
-from launch.tpu import commands, topology
+from launch import tpu_pod
+from launch.tpu import commands, options, records, topology
 from tests import fake_gcloud
 from tests.subprocesses import REPO_DIR, TESTS_DIR
 
@@ -140,8 +141,7 @@ def test_default_runtime_follows_the_hosts_of_the_accelerator_type(accelerator_t
 
 def bindings(accelerator_type: str, *train_args: str) -> list[str]:
     """The gin bindings the launcher adds to `train_args` for a slice of `accelerator_type`."""
-    args = argparse.Namespace(name="pod1", train_args=list(train_args))
-    flags = commands.training_command(args, accelerator_type)[0]
+    flags = commands.training_command("pod1", accelerator_type, train_args)[0]
     return [flag for flag in flags[len(train_args) :] if flag.startswith("--gin.Runtime.")]
 
 
@@ -237,6 +237,28 @@ def test_the_launchers_run_from_the_checkout_alone(tmp_path, launcher, args, out
         check=False,
     )
     assert output in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+# --- The command line ---------------------------------------------------------------------------
+
+
+def test_the_command_line_is_parsed_once_into_frozen_records(tmp_path, monkeypatch):
+    """What the command line leaves out comes from the TPU's record, in a new record."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    record = records.record_path(options.Tpu("pod1", "us-central2-b", None))
+    record.parent.mkdir(parents=True)
+    recorded = {"accelerator_type": "v4-32", "queued": True, "train_args": FLAGS}
+    record.write_text(json.dumps(recorded))
+    launch = tpu_pod.parse_args(["resume", *TPU, "--spot", "--libtpu_flags=--a=1 --b=2"])
+    assert launch.spec == options.SliceSpec("v4-32", None, True, None, True)
+    assert launch.train_args == tuple(FLAGS) and launch.libtpu_flags == ("--a=1", "--b=2")
+    assert launch.tpu == options.Tpu("pod1", "us-central2-b", None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        launch.spec.accelerator_type = "v4-8"
+    given = tpu_pod.parse_args(["status", *TPU, "--accelerator_type=v4-8", "--project=p"])
+    assert given.spec.accelerator_type == "v4-8" and given.spec.queued is None  # another record
+    created = tpu_pod.parse_args(["create", *TPU, "--accelerator_type=v4-8"])
+    assert created.spec == options.SliceSpec("v4-8") and created.polling.poll_seconds == 0
 
 
 # --- Dry runs ---------------------------------------------------------------------------------
