@@ -29,8 +29,8 @@ setup(
     # so does the sample text corpus of the language-model configs.
     package_data={"framework": ["configs/*.gin", "configs/*/*.gin", "data/text/corpus/*.txt"]},
     install_requires=[
-        # TensorFlow 2.20 (the newest TPU build, `tensorflow-tpu`) and 2.21, the range that
-        # framework/core/tf_internals.py checks; each tensorflow-text release pins its own
+        # TensorFlow 2.20 (the newest TPU build, `tensorflow-tpu`) and 2.21, the releases
+        # framework/core/releases.py lists; each tensorflow-text release pins its own
         # TensorFlow minor, so pip pairs them. TF 2.21 no longer pulls TensorBoard.
         "tensorflow>=2.20,<2.22",
         "tensorflow-text>=2.20,<2.22",

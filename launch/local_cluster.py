@@ -42,9 +42,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
+
+# Run as a script (`python launch/local_cluster.py`), the launcher imports the framework from
+# the checkout, as its workers do (`_python_path`): its exit statuses are the trainer's own
+# (`framework.core.errors`, which imports no TensorFlow).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from framework.core.errors import PreemptedError
 
 STRATEGY_BINDING = "--gin.Runtime.strategy='multi_worker_mirrored'"
-PREEMPTED_EXIT_CODE = 42
 POLL_SECONDS = 0.2
 
 # Linux ABI constants: unshare(2) flags, prctl(2) option, netdevice(7) ioctls and flag.
@@ -232,7 +239,7 @@ def run_cluster(
     while True:
         codes = [process.poll() for process in processes]
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-        if failed and not (forwarded.is_set() and failed[0][1] == PREEMPTED_EXIT_CODE):
+        if failed and not (forwarded.is_set() and failed[0][1] == PreemptedError.exit_status):
             index, code = failed[0]
             print(
                 f"[launcher] worker {index} exited with status {code}: stopping the others",

@@ -58,20 +58,11 @@ from launch.tpu.commands import (
     versions,
 )
 from launch.tpu.errors import LaunchError
-from launch.tpu.gcloud import Runner
-from launch.tpu.records import apply_record
+from launch.tpu.gcloud import Runner, with_accelerator_type
+from launch.tpu.options import Launch, Polling, SliceSpec
+from launch.tpu.records import with_record
 
-SUBCOMMANDS = {
-    "create": create,
-    "setup": setup,
-    "run": run,
-    "logs": logs,
-    "status": status,
-    "stop": stop,
-    "resume": resume,
-    "delete": delete,
-    "versions": versions,
-}
+SUBCOMMANDS = ("create", "setup", "run", "logs", "status", "stop", "resume", "delete", "versions")
 
 
 def _split_at_double_dash(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -117,11 +108,12 @@ def _model_dir(train_args: Sequence[str]) -> str | None:
     return values[-1][1] if values else None
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+def parse_args(argv: Sequence[str]) -> Launch:
+    """The command line, checked (a usage error exits with status 2), with what it leaves out of
+    a TPU's options taken from the TPU's record (every subcommand but `create` and `versions`)."""
     parser = _parser()
     own, train_args = _split_at_double_dash(argv)
     args = parser.parse_args(own)
-    args.train_args = train_args
     if train_args and args.subcommand not in ("run", "resume"):
         parser.error(f"`{args.subcommand}` takes no training flags")
     if args.subcommand == "run" and not train_args:
@@ -146,15 +138,80 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     for flag in (args.libtpu_flags or "").split():
         if not flag.startswith("--") or re.search(r"[\"'\\|$%`&]", flag):
             parser.error(f"--libtpu_flags: {flag!r} must be a plain --flag=value")
-    if args.subcommand not in ("create", "versions"):  # `create` starts a new record
-        apply_record(args)
-    return args
+    launch = Launch(
+        subcommand=args.subcommand,
+        name=args.name,
+        zone=args.zone,
+        project=args.project,
+        spec=SliceSpec(
+            args.accelerator_type, args.runtime_version, args.spot, args.reserved, args.queued
+        ),
+        train_args=tuple(train_args),
+        polling=Polling(args.poll_seconds, args.wait_minutes, args.max_resumes),
+        wait=not args.no_wait,
+        until_done=args.until_done,
+        libtpu_flags=None if args.libtpu_flags is None else tuple(args.libtpu_flags.split()),
+        worker=args.worker,
+        lines=args.lines,
+        follow=args.follow,
+        stop_timeout=args.stop_timeout,
+        dry_run=args.dry_run,
+    )
+    if launch.subcommand in ("create", "versions"):  # `create` starts a new record
+        return launch
+    return with_record(launch)
+
+
+def perform(launch: Launch, runner: Runner) -> None:
+    """Runs the subcommand, handing it the parts of the command line it reads."""
+    match launch.subcommand:
+        case "create":
+            create(
+                launch.tpu,
+                launch.spec,
+                launch.train_args,
+                runner,
+                polling=launch.polling,
+                wait=launch.wait,
+            )
+        case "setup":
+            spec = with_accelerator_type(launch.tpu, launch.spec, runner)
+            setup(launch.tpu, spec.accelerator_type, launch.libtpu_flags, runner)
+        case "run":
+            run(
+                launch.tpu,
+                launch.spec,
+                launch.train_args,
+                runner,
+                until_done=launch.until_done,
+                polling=launch.polling,
+                libtpu_flags=launch.libtpu_flags,
+            )
+        case "logs":
+            logs(launch.tpu, launch.worker, launch.lines, launch.follow, runner)
+        case "status":
+            status(launch.tpu, launch.spec, runner)
+        case "stop":
+            stop(launch.tpu, launch.stop_timeout, runner)
+        case "resume":
+            resume(
+                launch.tpu,
+                launch.spec,
+                launch.train_args,
+                runner,
+                polling=launch.polling,
+                libtpu_flags=launch.libtpu_flags,
+            )
+        case "delete":
+            delete(launch.tpu, launch.spec.queued, runner)
+        case "versions":
+            versions(launch.zone, launch.project, launch.spec.accelerator_type, runner)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    launch = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        SUBCOMMANDS[args.subcommand](args, Runner(args.dry_run))
+        perform(launch, Runner(launch.dry_run))
     except LaunchError as error:
         print(f"error: {error}", file=sys.stderr)
         return error.status

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -37,10 +36,8 @@ from tensorflow.python.ops import control_flow_v2_func_graphs
 from tensorflow.python.training.py_checkpoint_reader import CheckpointReader as CheckpointReader
 from tensorflow.tsl.profiler.protobuf import xplane_pb2 as xplane_pb2
 
-# Releases (major.minor) the test suite passed on; 2.20 is the newest TPU build (`tensorflow-tpu`).
-# Keep in step with setup.py's `tensorflow` and `tensorflow-text` ranges, .ci/run and the copy in
-# launch/tpu/topology.py (which runs where TensorFlow is not installed; a test compares the two).
-SUPPORTED_TENSORFLOW = ("2.20", "2.21")
+# The releases are listed where code without TensorFlow reads them too (the TPU launcher).
+from framework.core.releases import SUPPORTED_TENSORFLOW, is_supported_tensorflow
 
 
 class UnsupportedTensorFlowWarning(UserWarning):
@@ -50,8 +47,7 @@ class UnsupportedTensorFlowWarning(UserWarning):
 def unsupported_tensorflow_message(version: str) -> str | None:
     """What to tell a user of TensorFlow `version` (e.g. "2.22.0-dev20260101"), or None when it is
     a supported release."""
-    match = re.match(r"(\d+)\.(\d+)", version)
-    if match and f"{match[1]}.{match[2]}" in SUPPORTED_TENSORFLOW:
+    if is_supported_tensorflow(version):
         return None
     supported = " and ".join(SUPPORTED_TENSORFLOW)
     return (
@@ -61,7 +57,8 @@ def unsupported_tensorflow_message(version: str) -> str | None:
         "pair, "
         f'e.g. pip install "tensorflow=={SUPPORTED_TENSORFLOW[-1]}.*" '
         f'"tensorflow-text=={SUPPORTED_TENSORFLOW[-1]}.*", or check this release with '
-        "`python -m pytest -m tf_compat` and add it to SUPPORTED_TENSORFLOW."
+        "`python -m pytest -m tf_compat` and add it to SUPPORTED_TENSORFLOW "
+        "(framework/core/releases.py)."
     )
 
 

@@ -20,6 +20,7 @@ import re
 from typing import ClassVar
 
 from framework.core.tf_internals import hlo_pb2, xla_data_pb2
+from framework.core.tpu_generations import TPU_GENERATIONS
 from framework.memory.xla_buffers import CompiledMemory, memory_from_hlo_proto
 
 
@@ -32,8 +33,8 @@ class TpuChip:
       accelerator_prefix: how Cloud TPU names its slices, e.g. "v5litepod" in "v5litepod-16".
       topology / chip_config: the compile-only topology the per-device program is compiled for
         ("megacore" on v4 and v5p, whose two TensorCores act as one device).
-      hbm_bytes: HBM per chip (one device), from Cloud TPU's system architecture pages.
-      peak_flops: dense bf16 FLOP/s per chip, from the same pages.
+      hbm_bytes: HBM per chip (one device).
+      peak_flops: dense bf16 FLOP/s per chip.
     """
 
     name: str
@@ -55,16 +56,19 @@ class TpuChip:
         return self.peak_flops
 
 
-GIB = 1024**3
-
+# The generations libtpu's compile-only client compiles for, with their figures from the one
+# table the TPU launcher reads too (`framework.core.tpu_generations`).
 TPU_CHIPS = {
-    chip.name: chip
-    for chip in (
-        TpuChip("v4", "v4", "v4:2x2x1", "megacore", 32 * GIB, 275e12),
-        TpuChip("v5e", "v5litepod", "v5e:1x1", "default", 16 * GIB, 197e12),
-        TpuChip("v5p", "v5p", "v5p:2x2x1", "megacore", 95 * GIB, 459e12),
-        TpuChip("v6e", "v6e", "v6e:1x1", "default", 32 * GIB, 918e12),
+    generation.name: TpuChip(
+        generation.name,
+        generation.accelerator_prefix,
+        generation.compile_only_topology,
+        "megacore" if generation.megacore else "default",
+        generation.hbm_bytes,
+        generation.peak_flops,
     )
+    for generation in TPU_GENERATIONS.values()
+    if generation.compile_only_topology is not None
 }
 
 

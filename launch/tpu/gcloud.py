@@ -3,13 +3,14 @@ prints them) and the `gcloud compute tpus` commands it runs: create, delete, ssh
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import shlex
 import subprocess
 import sys
 from collections.abc import Sequence
 
 from launch.tpu.errors import LaunchError
+from launch.tpu.options import SliceSpec, Tpu
 
 READY = "READY"
 RECREATE_STATES = {"PREEMPTED", "TERMINATED", "NOT_FOUND", "SUSPENDED", "FAILED"}
@@ -75,11 +76,12 @@ def _check(command: Sequence[str], result: subprocess.CompletedProcess) -> None:
         )
 
 
-def project(args: argparse.Namespace) -> list[str]:
-    return [f"--project={args.project}"] if args.project else []
+def project_flag(project: str | None) -> list[str]:
+    """`--project=...`, or nothing for gcloud's configured project."""
+    return [f"--project={project}"] if project else []
 
 
-def tpus(args: argparse.Namespace, resource: str, verb: str) -> list[str]:
+def tpus(tpu: Tpu, resource: str, verb: str) -> list[str]:
     """`gcloud compute tpus RESOURCE VERB NAME --zone=... [--project=...]`."""
     return [
         "gcloud",
@@ -87,54 +89,54 @@ def tpus(args: argparse.Namespace, resource: str, verb: str) -> list[str]:
         "tpus",
         resource,
         verb,
-        args.name,
-        f"--zone={args.zone}",
-        *project(args),
+        tpu.name,
+        f"--zone={tpu.zone}",
+        *project_flag(tpu.project),
     ]
 
 
-def ssh(args: argparse.Namespace, worker: str, script: str) -> list[str]:
+def ssh(tpu: Tpu, worker: str, script: str) -> list[str]:
     """`gcloud ... ssh` running the shell `script` on one worker (an index) or on `all`."""
-    return [*tpus(args, "tpu-vm", "ssh"), f"--worker={worker}", f"--command={script}"]
+    return [*tpus(tpu, "tpu-vm", "ssh"), f"--worker={worker}", f"--command={script}"]
 
 
-def create_command(args: argparse.Namespace) -> list[str]:
+def create_command(tpu: Tpu, spec: SliceSpec) -> list[str]:
     """A TPU VM directly (gcloud waits until it is READY), or a queued resource request."""
-    tier = ["--spot"] if args.spot else ["--reserved"] if args.reserved else []
-    if args.queued:
+    tier = ["--spot"] if spec.spot else ["--reserved"] if spec.reserved else []
+    if spec.queued:
         return [
-            *tpus(args, "queued-resources", "create"),
-            f"--node-id={args.name}",
-            f"--accelerator-type={args.accelerator_type}",
-            f"--runtime-version={args.runtime_version}",
+            *tpus(tpu, "queued-resources", "create"),
+            f"--node-id={tpu.name}",
+            f"--accelerator-type={spec.accelerator_type}",
+            f"--runtime-version={spec.runtime_version}",
             *tier,
         ]
     return [
-        *tpus(args, "tpu-vm", "create"),
-        f"--accelerator-type={args.accelerator_type}",
-        f"--version={args.runtime_version}",
+        *tpus(tpu, "tpu-vm", "create"),
+        f"--accelerator-type={spec.accelerator_type}",
+        f"--version={spec.runtime_version}",
         *tier,
     ]
 
 
-def delete_command(args: argparse.Namespace) -> list[str]:
+def delete_command(tpu: Tpu, queued: bool | None) -> list[str]:
     """Deletes the TPU; `--force` also deletes a queued resource's TPU."""
-    if args.queued:
-        return [*tpus(args, "queued-resources", "delete"), "--force", "--quiet"]
-    return [*tpus(args, "tpu-vm", "delete"), "--quiet"]
+    if queued:
+        return [*tpus(tpu, "queued-resources", "delete"), "--force", "--quiet"]
+    return [*tpus(tpu, "tpu-vm", "delete"), "--quiet"]
 
 
-def accelerator_type(args: argparse.Namespace, runner: Runner) -> str:
-    """The TPU's accelerator type: given, recorded at `create`, or asked from gcloud."""
-    if args.accelerator_type:
-        return args.accelerator_type
+def with_accelerator_type(tpu: Tpu, spec: SliceSpec, runner: Runner) -> SliceSpec:
+    """`spec` with the TPU's accelerator type: as given, as recorded at `create`, or else as
+    gcloud reports it (asked once, here, by the subcommands that need it)."""
+    if spec.accelerator_type:
+        return spec
     if runner.dry_run:
         raise LaunchError(
-            f"no record of {args.name}: pass --accelerator_type (a dry run asks gcloud nothing)", 2
+            f"no record of {tpu.name}: pass --accelerator_type (a dry run asks gcloud nothing)", 2
         )
-    output = runner.output([*tpus(args, "tpu-vm", "describe"), "--format=value(acceleratorType)"])
-    args.accelerator_type = output.strip()
-    return args.accelerator_type
+    output = runner.output([*tpus(tpu, "tpu-vm", "describe"), "--format=value(acceleratorType)"])
+    return dataclasses.replace(spec, accelerator_type=output.strip())
 
 
 def described_state(runner: Runner, command: list[str]) -> str | None:
@@ -148,12 +150,12 @@ def described_state(runner: Runner, command: list[str]) -> str | None:
     return result.stdout.strip()
 
 
-def slice_state(args: argparse.Namespace, runner: Runner) -> str | None:
+def slice_state(tpu: Tpu, queued: bool | None, runner: Runner) -> str | None:
     """READY, PREEMPTED, ...; for a queued resource its own state until it is ACTIVE."""
-    if args.queued:
-        queued = described_state(
-            runner, [*tpus(args, "queued-resources", "describe"), "--format=value(state.state)"]
+    if queued:
+        queued_state = described_state(
+            runner, [*tpus(tpu, "queued-resources", "describe"), "--format=value(state.state)"]
         )
-        if queued != "ACTIVE":
-            return queued
-    return described_state(runner, [*tpus(args, "tpu-vm", "describe"), "--format=value(state)"])
+        if queued_state != "ACTIVE":
+            return queued_state
+    return described_state(runner, [*tpus(tpu, "tpu-vm", "describe"), "--format=value(state)"])

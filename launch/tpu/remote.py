@@ -16,7 +16,6 @@ WORKER_NUMBER_URL = (
     "http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number"
 )
 RUNTIME_SERVICE = "/etc/systemd/system/tpu-runtime.service"
-PREEMPTED_EXIT_CODE = 42  # framework.train: SIGTERM arrived, a checkpoint was saved
 EXIT_REFUSED = 3  # a remote check refused to go on (its message says why)
 EXIT_NOT_READY = 75  # the TPU is not in a state to do this now (EX_TEMPFAIL)
 # One line per TensorFlow distribution, read from package metadata: importing TensorFlow on a TPU

@@ -1,8 +1,10 @@
 """What the launcher knows of Cloud TPUs without asking gcloud: accelerator types and their hosts,
-peak FLOP/s, which families the TPU compiler plans for, TensorFlow runtime names.
+each type's generation (peak FLOP/s, whether the TPU compiler plans for it), TensorFlow runtime
+names.
 
-This runs where TensorFlow need not be installed (the user's workstation), so it keeps its own
-copies of `SUPPORTED_TENSORFLOW` and the peak table; tests compare them with the framework's.
+The generations' figures and the supported TensorFlow releases are the framework's own
+(`framework.core.tpu_generations`, `framework.core.releases`), from modules that import no
+TensorFlow: the launcher runs where TensorFlow need not be installed (the user's workstation).
 """
 
 from __future__ import annotations
@@ -11,44 +13,38 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from framework.core.releases import is_supported_tensorflow
+from framework.core.tpu_generations import TPU_GENERATIONS, TpuGeneration
 from launch.tpu.errors import LaunchError
 
-# The TensorFlow versions the project supports, and the one TPU runtimes carry: the
-# `tensorflow-tpu` wheels stop at 2.20.0, so a TPU VM runs 2.20 even where the project
-# is tested on 2.21.
-SUPPORTED_TENSORFLOW = ("2.20", "2.21")
+# The TensorFlow TPU runtimes carry: the `tensorflow-tpu` wheels stop at 2.20.0, so a TPU VM runs
+# 2.20 even where the project is tested on 2.21.
 TPU_TENSORFLOW = "2.20.0"
-# Accelerator types name TensorCores (v2, v3, v4, v5p: 2 per chip, 4 chips per host) or chips
-# (v5e, v6e: up to 8 per host); either way a type above 8 spans several hosts.
-CORE_NAMED = ("v2", "v3", "v4", "v5p")
-CHIP_NAMED = ("v5litepod", "v5e", "v6e")
-# Peak bfloat16 TFLOP/s of one TensorFlow TPU device (what MFU is measured against: TPUs report
-# no type to TensorFlow, so the launcher binds `Runtime.peak_tflops`). From Google's datasheets,
-# per chip: v2 45, v3 123, v4 275, v5p 459, v5e 197, v6e 918; TensorFlow makes one device per
-# TensorCore on v2 and v3 (two per chip) and one per chip from v4 on (megacore).
-TPU_PEAK_TFLOPS = {
-    "v2": 22.5,
-    "v3": 61.5,
-    "v4": 275.0,
-    "v5p": 459.0,
-    "v5litepod": 197.0,
-    "v5e": 197.0,
-    "v6e": 918.0,
+# An accelerator type starts with a generation's Cloud TPU prefix or short name ("v5litepod-16",
+# "v5e-16") and counts TensorCores where a chip has two (v2, v3, v4, v5p: 4 chips per host) or
+# chips (v5e, v6e: up to 8 per host); either way a type above 8 spans several hosts.
+GENERATIONS = {
+    name: generation
+    for generation in TPU_GENERATIONS.values()
+    for name in generation.accelerator_names
 }
-# Families whose chips the TPU compiler can plan for on any host (framework/memory/tpu.py's
-# TPU_CHIPS; a test compares the two): the launcher binds `Runtime.accelerator_type` for them, so
-# that `Trainer.remat_policy = "auto"` plans with the TPU compiler for the chip the run has.
-PLANNABLE = ("v4", "v5p", "v5litepod", "v5e", "v6e")
+CORE_NAMED = tuple(name for name, g in GENERATIONS.items() if g.tensorcores_per_chip == 2)
+CHIP_NAMED = tuple(name for name, g in GENERATIONS.items() if g.tensorcores_per_chip == 1)
 SINGLE_HOST_MAX = 8
 
 
 def accelerator_family(accelerator_type: str) -> tuple[str, int]:
     """('v4', 32) for 'v4-32'; unknown generations are an error rather than a guess."""
     match = re.fullmatch(r"(v\d+[a-z]*)-(\d+)", accelerator_type)
-    if not match or match[1] not in (*CORE_NAMED, *CHIP_NAMED):
+    if not match or match[1] not in GENERATIONS:
         known = ", ".join(f"{family}-N" for family in (*CORE_NAMED, *CHIP_NAMED))
         raise LaunchError(f"unknown accelerator type {accelerator_type!r} (known: {known})", 2)
     return match[1], int(match[2])
+
+
+def tpu_generation(accelerator_type: str) -> TpuGeneration:
+    """The generation of the slice's chips: v5e's for 'v5litepod-16'."""
+    return GENERATIONS[accelerator_family(accelerator_type)[0]]
 
 
 def is_multi_host(accelerator_type: str) -> bool:
@@ -82,7 +78,7 @@ class TpuRuntime:
         return cls(name, version, bool(match[4]), match[5] == "-pjrt", match[6])
 
     def supported(self) -> bool:
-        return f"{self.tensorflow[0]}.{self.tensorflow[1]}" in SUPPORTED_TENSORFLOW
+        return is_supported_tensorflow(".".join(map(str, self.tensorflow)))
 
     def fits(self, accelerator_type: str) -> bool:
         """Pod-ness matches, and a hardware suffix (seen as `-v5e-and-v6`) names this family."""

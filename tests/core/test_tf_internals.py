@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 from packaging.requirements import Requirement
 
-from framework.core import tf_internals
+from framework.core import releases, tf_internals
 from tests.subprocesses import run_python
 
 
@@ -30,10 +30,18 @@ def test_the_installed_tensorflow_is_supported_and_matches_setup_py():
         assert after not in ranges[name], ranges
 
 
-def test_the_tpu_launcher_checks_the_same_releases():
-    from launch.tpu import topology  # its own copy: it runs where TensorFlow need not be installed
+def test_a_release_added_to_the_list_is_supported_by_the_framework_and_the_tpu_launcher(
+    monkeypatch,
+):
+    """One list (`framework.core.releases`, no TensorFlow there) decides for both: the warning
+    at import here, and the launcher's check of a TPU image and its choice of runtime."""
+    from launch.tpu import topology
 
-    assert topology.SUPPORTED_TENSORFLOW == tf_internals.SUPPORTED_TENSORFLOW
+    runtime = topology.TpuRuntime.parse("tpu-vm-tf-2.22.0-pjrt")
+    assert tf_internals.unsupported_tensorflow_message("2.22.0") and not runtime.supported()
+    monkeypatch.setattr(releases, "SUPPORTED_TENSORFLOW", ("2.21", "2.22"))
+    assert tf_internals.unsupported_tensorflow_message("2.22.0") is None and runtime.supported()
+    assert topology.newest_runtime([runtime.name], "v4-8") == runtime.name
 
 
 @pytest.mark.tf_compat
@@ -163,7 +171,7 @@ _MIRRORED_SGD_STEP = """
     import json
     import keras, tensorflow as tf
     from framework.runtime import distribute
-    from framework.core import tf_internals
+    from framework.core import releases, tf_internals
 
     strategy = distribute.create_strategy("mirrored", cpu_devices=2)
 

@@ -5,7 +5,7 @@ directory per worker, so these tests cover the lifecycle itself (queued create, 
 logs, status, stop, preemption and resume), not only the command strings.
 """
 
-import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from framework.memory import tpu
-from launch.tpu import commands, topology
+from launch import tpu_pod
+from launch.tpu import commands, options, records, topology
 from tests import fake_gcloud
 from tests.subprocesses import REPO_DIR, TESTS_DIR
 
@@ -138,26 +139,38 @@ def test_default_runtime_follows_the_hosts_of_the_accelerator_type(accelerator_t
     assert topology.default_runtime(accelerator_type) == f"tpu-vm-tf-2.20.0{pod}-pjrt"
 
 
-def test_the_peak_tflops_follow_the_accelerator_type_unless_the_user_binds_them():
-    def flags(accelerator_type, *train_args):
-        args = argparse.Namespace(name="pod1", train_args=list(train_args))
-        return commands.training_command(args, accelerator_type)[0]
+def bindings(accelerator_type: str, *train_args: str) -> list[str]:
+    """The gin bindings the launcher adds to `train_args` for a slice of `accelerator_type`."""
+    flags = commands.training_command("pod1", accelerator_type, train_args)[0]
+    return [flag for flag in flags[len(train_args) :] if flag.startswith("--gin.Runtime.")]
 
-    assert flags("v3-8")[-1] == "--gin.Runtime.peak_tflops=61.5"  # a TensorCore: half a chip
-    assert flags("v6e-16")[-2:] == [
-        "--gin.Runtime.peak_tflops=918.0",
-        '--gin.Runtime.accelerator_type="v6e-16"',
-    ]
+
+def test_the_peak_tflops_follow_the_accelerator_type_unless_the_user_binds_them():
+    # Per TensorFlow device: a TensorCore (half a chip) on v2 and v3, a chip from v4 on.
+    peaks = {"v2-8": "22.5", "v3-32": "61.5", "v4-8": "275.0", "v5p-16": "459.0"}
+    peaks |= {"v5litepod-16": "197.0", "v5e-4": "197.0", "v6e-16": "918.0"}
+    for accelerator_type, peak in peaks.items():
+        assert f"--gin.Runtime.peak_tflops={peak}" in bindings(accelerator_type)
     mine = "--gin.Runtime.peak_tflops=100"
-    assert [flag for flag in flags("v4-8", mine) if "peak_tflops" in flag] == [mine]
-    for family in (*topology.CORE_NAMED, *topology.CHIP_NAMED):
-        assert topology.TPU_PEAK_TFLOPS[family] > 0
-    # The chips the TPU compiler plans for, and their peaks, are the memory module's.
-    chips = tpu.TPU_CHIPS.values()
-    named = {c.name for c in chips} | {c.accelerator_prefix for c in chips}
-    assert set(topology.PLANNABLE) == named
-    for family in topology.PLANNABLE:
-        assert topology.TPU_PEAK_TFLOPS[family] * 1e12 == tpu.tpu_chip(family).peak_flops
+    assert not any("peak_tflops" in flag for flag in bindings("v4-8", mine))
+
+
+def test_the_accelerator_type_is_bound_where_the_runtime_takes_it():
+    """`Runtime.accelerator_type` (so that `remat_policy = "auto"` plans with the TPU compiler)
+    is bound for every chip the TPU compiler plans for, never for one `Runtime` would refuse."""
+    for name in topology.GENERATIONS:
+        accelerator_type = f"{name}-8"
+        bound = any("Runtime.accelerator_type" in flag for flag in bindings(accelerator_type))
+        try:
+            tpu.tpu_chip(accelerator_type)  # what `Runtime` checks at start
+        except ValueError:
+            assert not bound, accelerator_type
+        else:
+            assert bound, accelerator_type
+    assert bindings("v6e-16")[-1] == '--gin.Runtime.accelerator_type="v6e-16"'
+    assert not any("accelerator_type" in flag for flag in bindings("v3-8"))
+    mine = "--gin.Runtime.accelerator_type='v5e'"
+    assert not any("accelerator_type" in flag for flag in bindings("v5litepod-16", mine))
 
 
 def test_newest_runtime_of_a_zone_for_the_supported_tensorflow():
@@ -190,6 +203,62 @@ def test_create_uses_the_default_runtime_unless_given(cloud):
     assert "--version=tpu-vm-tf-2.21.0-pjrt" in cloud.launch("create", *TPU, *override).stdout
     error = cloud.launch("create", *TPU, "--accelerator_type=v9-8", status=2).stderr
     assert error.startswith("error: unknown accelerator type 'v9-8'")
+
+
+def test_the_launchers_import_neither_tensorflow_nor_jax_nor_gin():
+    """They run on a workstation where none of them need be installed: what they share with the
+    framework (exit statuses, TensorFlow releases, TPU generations) imports none either."""
+    script = (
+        "import sys, launch.tpu_pod, launch.local_cluster; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'tensorflow', 'jax', 'gin'}))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_DIR, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0 and result.stdout == "[]\n", result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "launcher, args, output",
+    [
+        ("tpu_pod.py", ["versions", "--zone=z", "--dry_run"], "would run: gcloud"),
+        ("local_cluster.py", ["--num_workers=0"], "--num_workers must be at least 1"),
+    ],
+)
+def test_the_launchers_run_from_the_checkout_alone(tmp_path, launcher, args, output):
+    """Started as scripts from another directory with no site-packages (`-S`: nothing installed),
+    they find the framework modules they use in their own checkout."""
+    result = subprocess.run(
+        [sys.executable, "-S", str(REPO_DIR / "launch" / launcher), *args],
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert output in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+# --- The command line ---------------------------------------------------------------------------
+
+
+def test_the_command_line_is_parsed_once_into_frozen_records(tmp_path, monkeypatch):
+    """What the command line leaves out comes from the TPU's record, in a new record."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    record = records.record_path(options.Tpu("pod1", "us-central2-b", None))
+    record.parent.mkdir(parents=True)
+    recorded = {"accelerator_type": "v4-32", "queued": True, "train_args": FLAGS}
+    record.write_text(json.dumps(recorded))
+    launch = tpu_pod.parse_args(["resume", *TPU, "--spot", "--libtpu_flags=--a=1 --b=2"])
+    assert launch.spec == options.SliceSpec("v4-32", None, True, None, True)
+    assert launch.train_args == tuple(FLAGS) and launch.libtpu_flags == ("--a=1", "--b=2")
+    assert launch.tpu == options.Tpu("pod1", "us-central2-b", None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        launch.spec.accelerator_type = "v4-8"
+    given = tpu_pod.parse_args(["status", *TPU, "--accelerator_type=v4-8", "--project=p"])
+    assert given.spec.accelerator_type == "v4-8" and given.spec.queued is None  # another record
+    created = tpu_pod.parse_args(["create", *TPU, "--accelerator_type=v4-8"])
+    assert created.spec == options.SliceSpec("v4-8") and created.polling.poll_seconds == 0
 
 
 # --- Dry runs ---------------------------------------------------------------------------------

@@ -214,6 +214,21 @@ def test_an_unknown_chip_names_the_known_ones():
         tpu.tpu_chip("v9")
 
 
+def test_the_chips_are_the_generations_libtpu_compiles_for():
+    """The shared generations (`framework.core.tpu_generations`) with a compile-only topology,
+    compiled as a megacore where two TensorCores make one device; v2 and v3 have none."""
+    configs = {name: (chip.topology, chip.chip_config) for name, chip in tpu.TPU_CHIPS.items()}
+    assert configs == {
+        "v4": ("v4:2x2x1", "megacore"),
+        "v5e": ("v5e:1x1", "default"),
+        "v5p": ("v5p:2x2x1", "megacore"),
+        "v6e": ("v6e:1x1", "default"),
+    }
+    assert tpu.tpu_chip("v6e-8").peak() == 918e12 and tpu.tpu_chip("v5e").hbm_bytes == 16 * 2**30
+    with pytest.raises(ValueError, match="Unknown TPU chip 'v3-8'"):
+        tpu.tpu_chip("v3-8")
+
+
 def test_the_installed_jax_and_libtpu_are_the_tested_pair():
     assert jax_internals.unsupported_versions_message() is None
     setup = (REPO_DIR / "setup.py").read_text()

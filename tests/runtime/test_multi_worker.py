@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import pytest
 import tensorflow as tf
 
+from framework.core.errors import PreemptedError
 from framework.data import text
 from framework.trainer import Trainer
 from launch import local_cluster
@@ -209,7 +210,7 @@ def test_a_killed_worker_stops_the_cluster_and_sigterm_saves_where_the_workers_a
     assert_reachable_only_inside_the_cluster(launcher_lines(lines))
     cluster.send_signal(signal.SIGINT)
     output = cluster.communicate(timeout=120)[0]
-    assert cluster.returncode == local_cluster.PREEMPTED_EXIT_CODE, output[-3000:]
+    assert cluster.returncode == PreemptedError.exit_status, output[-3000:]
     everything = "".join(lines) + output
     assert "[worker 1]" in output and "multi_worker_mirrored with 2 replica(s)" in everything
     assert output.count("Ctrl-C: stopping as if preempted") == 2, output[-3000:]
