@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from framework.core.errors import FrameworkError
-from framework.planner.choose import Plan, choose
+from framework.planner.choose import Plan, choose, usable_bytes
 from framework.planner.measurement import (
     COMPILE,
     CONFIG_STAGE,
@@ -178,7 +178,6 @@ def make_plan(
                 f"a plan for {target} is compiled, not run: use measure 'compile' or 'auto'"
             )
         measure = COMPILE
-    usable = int(budget_bytes * (1 - safety_margin))
     available = host_available_bytes()
 
     def fits_host(num_bytes: int) -> bool:
@@ -204,7 +203,7 @@ def make_plan(
             config,
             policies,
             batch_sizes,
-            usable,
+            usable_bytes(budget_bytes, safety_margin),
             search_budget,
             may_skip,
             timeout,
