@@ -2,11 +2,12 @@
 SPEC_JSON` builds the configured Trainer without a model directory (no lock, checkpoints or
 summaries) and prints one JSON line per combination.
 
-Two ways to measure, `spec["measure"]`:
-- "run": one combination per process (see `sweep.py`), with `TF_CPU_ALLOCATOR_USE_BFC=true` set
-  before TensorFlow starts so the CPU allocator keeps the statistics the peak is read from: the
-  step runs, its allocator peak and median time are measured, and XLA's plan is read beside them.
-- "compile": a worker process (`serve_compiled`) that builds the trainer once, then reads
+Two ways to measure, the `measure` of the `spec.WorkerSpec` given:
+- `Measure.RUN`: one combination per process (see `sweep.py`), with
+  `TF_CPU_ALLOCATOR_USE_BFC=true` set before TensorFlow starts so the CPU allocator keeps the
+  statistics the peak is read from: the step runs, its allocator peak and median time are
+  measured, and XLA's plan is read beside them.
+- `Measure.COMPILE`: a worker process (`serve_compiled`) that builds the trainer once, then reads
   combinations from stdin and prints XLA's plan of each, nothing run: XLA's buffer assignment
   of one replica's forward and backward pass plus the optimizer's state is the per-device
   total, and the dot and convolution FLOPs of that program (recomputation included) over the
@@ -28,6 +29,8 @@ import time
 from collections.abc import Iterator
 from typing import TextIO
 
+from framework.planner.spec import Combination, Measure, RunConfig, WorkerSpec
+
 # Failure stages: "config" means the run cannot be built as configured (a user error, the same for
 # every combination); "run" means this combination failed (out of memory, a crash), others
 # may not.
@@ -35,7 +38,8 @@ CONFIG_STAGE = "config"
 RUN_STAGE = "run"
 # A combination left out because another that fits cannot be beaten (`schedule.py`).
 SKIPPED_STAGE = "skipped"
-RUN, COMPILE = "run", "compile"
+# The measure modes under their names from before `Measure`, which tests import.
+RUN, COMPILE = Measure.RUN, Measure.COMPILE
 # What a compile worker prints once its trainer is built, before its first result.
 READY = {"ready": True}
 # XLA:GPU rematerializes towards 80% of the card's memory (`xla.GPU_SCHEDULER_SHARE`); a plan
@@ -60,8 +64,8 @@ class Measurement:
       step_seconds: median wall time of the timed steps.
       error: why the combination failed, or None; `stage` says whether building the run
         (`CONFIG_STAGE`) or running it (`RUN_STAGE`) failed.
-      measure: `RUN` (the step ran) or `COMPILE` (only XLA's plan: no peak_bytes, no
-        step_seconds).
+      measure: `Measure.RUN` (the step ran) or `Measure.COMPILE` (only XLA's plan: no
+        peak_bytes, no step_seconds).
       state_bytes: the state a device keeps beside XLA's plan of the forward and backward pass
         (whose parameters are the weights, or their shards): the optimizer's slots, whole or
         their shards, and the weights' shards when the program takes the whole weights.
@@ -88,7 +92,7 @@ class Measurement:
     step_seconds: float | None = None
     error: str | None = None
     stage: str | None = None
-    measure: str = RUN
+    measure: Measure = Measure.RUN
     state_bytes: int | None = None
     step_flops: float | None = None
     peak_flops: float | None = None
@@ -96,6 +100,10 @@ class Measurement:
     compiler: str | None = None
     shard_state: str = "none"
     unlimited_peak_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        """The mode as a `Measure` whether given as one or as its word (JSON, callers)."""
+        object.__setattr__(self, "measure", Measure(self.measure))
 
     @property
     def ok(self) -> bool:
@@ -112,12 +120,12 @@ class Measurement:
     @property
     def fit_bytes(self) -> int | None:
         """What is judged against the budget: the measured peak, or XLA's plan when not run."""
-        return self.peak_bytes if self.measure == RUN else self.compiled_step_bytes
+        return self.peak_bytes if self.measure == Measure.RUN else self.compiled_step_bytes
 
     @property
     def fit_kind(self) -> str:
         """What `fit_bytes` is, in words: "peak" (measured) or "XLA's plan"."""
-        return "peak" if self.measure == RUN else "XLA's plan"
+        return "peak" if self.measure == Measure.RUN else "XLA's plan"
 
     @property
     def compiler_remat_bytes(self) -> int:
@@ -142,7 +150,7 @@ class Measurement:
     def seconds(self) -> float | None:
         """Seconds per step: measured, or (compile measure) estimated from the step's FLOPs at
         the device's peak."""
-        return self.step_seconds if self.measure == RUN else self.estimated_step_seconds
+        return self.step_seconds if self.measure == Measure.RUN else self.estimated_step_seconds
 
     @property
     def examples_per_second(self) -> float | None:
@@ -174,28 +182,30 @@ def _reason(error: BaseException) -> str:
     return " ".join((lines[0] if lines else type(error).__name__).split())[:300]
 
 
-def _bindings(spec: dict) -> list[str]:
-    overrides = [f"Trainer.remat_policy = {spec['policy']!r}"]
-    if spec.get("shard_state"):
-        overrides.append(f"Trainer.shard_state = {spec['shard_state']!r}")
-    if spec["batch_size"]:
-        overrides.append(f"Trainer.global_batch_size = {int(spec['batch_size'])}")
-    return [*spec["bindings"], *overrides]
+def _bindings(config: RunConfig, job: Combination) -> list[str]:
+    overrides = [
+        f"Trainer.remat_policy = {job.policy!r}",
+        f"Trainer.shard_state = {job.shard_state!r}",
+    ]
+    if job.batch_size:
+        overrides.append(f"Trainer.global_batch_size = {int(job.batch_size)}")
+    return [*config.bindings, *overrides]
 
 
-def measure(spec: dict) -> Measurement:
-    """Builds and measures the combination `spec` describes (gin files, bindings, search paths,
-    policy, batch size, timed steps). Failures come back as a Measurement with `error` set."""
+def measure(spec: WorkerSpec) -> Measurement:
+    """Builds and measures the combination `spec` names (gin files, bindings, search paths,
+    policy, batch size, shard level, timed steps). Failures come back as a Measurement with
+    `error` set."""
     import tensorflow as tf
 
     from framework import cli, memory
     from framework.trainer import Trainer
 
-    policy, batch_size = spec["policy"], spec["batch_size"]
-    failed = functools.partial(Measurement, policy, batch_size, shard_state=spec["shard_state"])
+    config, job = spec.config, spec.combination
+    failed = functools.partial(Measurement, job.policy, job.batch_size, shard_state=job.shard_state)
     memory.enable_cpu_bfc_allocator()
     try:
-        cli.parse_gin(spec["files"], _bindings(spec), spec["search_paths"])
+        cli.parse_gin(config.files, _bindings(config, job), config.search_paths)
     except cli.UsageError as error:
         return failed(error=str(error), stage=CONFIG_STAGE)
     try:
@@ -206,7 +216,7 @@ def measure(spec: dict) -> Measurement:
         return failed(error=_reason(error), stage=CONFIG_STAGE)
     failed = functools.partial(failed, batch_size=trainer.settings.global_batch_size)
     try:
-        return _measure_steps(trainer, policy, spec["steps"])
+        return _measure_steps(trainer, job.policy, spec.steps)
     except tf.errors.ResourceExhaustedError as error:
         return failed(error=f"out of memory: {_reason(error)}", stage=RUN_STAGE)
     except Exception as error:  # noqa: BLE001 (reported in the plan's table, not raised)
@@ -267,14 +277,14 @@ def kept_bytes(optimizer, sharded, in_program: bool) -> int:
     return kept
 
 
-def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
+def serve_compiled(spec: WorkerSpec, jobs: TextIO) -> Iterator[dict]:
     """A compile worker: builds the configured trainer once, yields `READY`, then for each job
-    line of `jobs` (`{"policy": ..., "batch_size": ..., "shard_state": ...}`) XLA's plan of that
-    combination as a compile-only Measurement's JSON, setting each policy on the model in turn;
-    until `jobs` ends. When the trainer cannot be built, every job gets that config error. A
-    CPU's peak FLOP/s is measured before `READY`, so before the parent starts another worker.
+    line of `jobs` (a `Combination`'s JSON) XLA's plan of that combination as a compile-only
+    Measurement's JSON, setting each policy on the model in turn; until `jobs` ends. When the
+    trainer cannot be built, every job gets that config error. A CPU's peak FLOP/s is measured
+    before `READY`, so before the parent starts another worker.
 
-    With `spec["target"]` (a TPU chip or slice, or a GPU card: `memory.targets.target_device`)
+    With `spec.target` (a TPU chip or slice, or a GPU card: `memory.targets.target_device`)
     each step is compiled by that device's compiler instead (libtpu's, XLA:GPU's), its time
     estimated from the optimised program's FLOPs at the device's peak for the run's precision.
     The trainer is built unsharded; a shard level is planned on a
@@ -289,17 +299,17 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
     from framework.runtime import distribute, flops, xla
     from framework.trainer import Trainer, optim
 
-    chip = targets.target_device(spec["target"]) if spec.get("target") else None
-    bindings = [*spec["bindings"], "Trainer.shard_state = 'none'"]
+    chip = targets.target_device(spec.target) if spec.target else None
+    bindings = [*spec.config.bindings, "Trainer.shard_state = 'none'"]
     devices = 1
     if chip is not None:
         # The step of one device, built on this host's CPU: the worker never claims a TPU or a
         # GPU (the run holds them), and a slice's devices split the global batch.
         bindings.append("Runtime.strategy = 'one_device'")
         if chip.kind == "TPU":
-            devices = tpu.tpu_devices(spec["target"])
+            devices = tpu.tpu_devices(spec.target)
     try:
-        cli.parse_gin(spec["files"], bindings, spec["search_paths"])
+        cli.parse_gin(spec.config.files, bindings, spec.config.search_paths)
         trainer = Trainer(None, remat_policy=None, count_flops=False)
     except Exception as error:  # noqa: BLE001 (any failure to build is the config's)
         trainer, build_error = None, _reason(error)
@@ -335,7 +345,7 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
             in_program = key[-1] == "in program"
             hlo = fn.experimental_get_compiler_ir(*args)(stage="hlo_serialized")
             compiled = targets.compile_for_target(
-                hlo, spec["target"], replicas=replicas if in_program else 1
+                hlo, spec.target, replicas=replicas if in_program else 1
             )
             if chip.kind == "GPU" and compiled.peak_bytes > NEAR_CAPACITY * chip.memory_bytes:
                 unlimited = gpu.compile_for_card(hlo, chip, UNLIMITED_BYTES).peak_bytes
@@ -354,7 +364,12 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
             )
         batch_size = batch_size or trainer.settings.global_batch_size
         failed = functools.partial(
-            Measurement, policy, batch_size, stage=RUN_STAGE, measure=COMPILE, shard_state=level
+            Measurement,
+            policy,
+            batch_size,
+            stage=RUN_STAGE,
+            measure=Measure.COMPILE,
+            shard_state=level,
         )
         try:
             # A memory budget prices kept masks as the planned device's compiler stores them.
@@ -365,7 +380,7 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
             if chip is not None and batch_size % devices:
                 raise ValueError(
                     f"batch size {batch_size} does not split over the {devices} devices of "
-                    f"{spec['target']}"
+                    f"{spec.target}"
                 )
             state = sharded(level)
             in_program = chip is not None and state is not None and state.reduces_in_program(True)
@@ -386,7 +401,7 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
             compiled_total_bytes=compiled.total_bytes,
             compiled_temp_bytes=compiled.temp_bytes,
             compiled_peak_bytes=compiled.peak_bytes,
-            measure=COMPILE,
+            measure=Measure.COMPILE,
             state_bytes=kept,
             step_flops=step_flops,
             peak_flops=peak,
@@ -398,14 +413,13 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
 
     for line in iter(jobs.readline, ""):
         if line.strip():
-            job = json.loads(line)
-            level = job.get("shard_state", "none")
-            yield compile_one(job["policy"], job["batch_size"], level).to_json()
+            job = Combination.from_json(json.loads(line))
+            yield compile_one(job.policy, job.batch_size, job.shard_state).to_json()
 
 
 def main() -> None:
-    spec = json.loads(sys.argv[1])
-    if spec.get("measure") == COMPILE:
+    spec = WorkerSpec.from_json(json.loads(sys.argv[1]))
+    if spec.measure == Measure.COMPILE:
         # The protocol keeps stdout's pipe to itself: anything else written there (TensorFlow,
         # a model that prints) goes to stderr instead.
         protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w")

@@ -11,17 +11,11 @@ from collections.abc import Callable, Sequence
 
 from framework.core.errors import FrameworkError
 from framework.planner.choose import Plan, choose, usable_bytes
-from framework.planner.measurement import (
-    COMPILE,
-    CONFIG_STAGE,
-    RUN,
-    RUN_STAGE,
-    Measurement,
-)
+from framework.planner.measurement import CONFIG_STAGE, RUN_STAGE, Measurement
 from framework.planner.schedule import CompileSchedule
+from framework.planner.spec import Combination, Measure, RunConfig, WorkerSpec
 from framework.planner.workers import compile_in_workers, host_available_bytes, run_child
 
-MEASURES = ("auto", RUN, COMPILE)
 # `auto` runs the combinations when XLA's plan of the largest fits in this fraction of the host's
 # available memory (a run also holds the data pipeline, TensorFlow's runtime and the allocator's
 # slack); otherwise it plans from XLA alone.
@@ -34,7 +28,7 @@ class ConfigError(FrameworkError):
     """The run cannot be built as configured, whatever the policy: a user error, not a result."""
 
 
-def plan_target(name: str | None, measure: str) -> str | None:
+def plan_target(name: str | None, measure: Measure | str) -> str | None:
     """The device a plan compiles for: `name` (a TPU chip or slice, or a GPU card:
     `memory.targets.target_device`), or without one, when the plan compiles (`measure` is not
     "run"), this host's GPU if it has one the framework knows (`memory.gpu.local_card`): a GPU
@@ -49,25 +43,16 @@ def plan_target(name: str | None, measure: str) -> str | None:
     from framework.memory import gpu, targets
 
     if name is None:
-        card = None if measure == RUN else gpu.local_card()
+        card = None if measure == Measure.RUN else gpu.local_card()
         if card is None:
             return None
         logging.info("plan: compiling for this host's GPU, described as %s", card.name)
         name = card.name
     device = targets.target_device(name)
-    if measure == RUN:
+    if measure == Measure.RUN:
         raise ValueError(f"a plan for {name} is compiled, not run: drop --measure=run")
     jax_internals.require_compiler(device.kind.lower())
     return name
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """The trainer's configuration as the binaries got it: gin files, bindings, search paths."""
-
-    files: Sequence[str]
-    bindings: Sequence[str]
-    search_paths: Sequence[str]
 
 
 def measure_combination(
@@ -79,16 +64,8 @@ def measure_combination(
     shard_state: str = "none",
 ) -> Measurement:
     """Measures one combination in a child process; a crash or timeout becomes a failed result."""
-    spec = {
-        "files": list(config.files),
-        "bindings": list(config.bindings),
-        "search_paths": list(config.search_paths),
-        "policy": policy,
-        "batch_size": batch_size,
-        "steps": steps,
-        "shard_state": shard_state,
-    }
-    results, failure = run_child(spec, timeout)
+    job = Combination(policy, batch_size, shard_state)
+    results, failure = run_child(WorkerSpec(config, Measure.RUN, job, steps=steps), timeout)
     if results:
         return results[-1]
     return Measurement(policy, batch_size, error=failure, stage=RUN_STAGE, shard_state=shard_state)
@@ -116,16 +93,10 @@ def compile_combinations(
     (`memory.targets.target_device`); None compiles for this host's device. Each level of
     `shard_states` plans every combination.
     """
-    spec = {
-        "files": list(config.files),
-        "bindings": list(config.bindings),
-        "search_paths": list(config.search_paths),
-        "measure": COMPILE,
-        "target": target,
-    }
     schedule = CompileSchedule(
         policies, batch_sizes, usable_bytes, search_budget, may_skip, shard_states
     )
+    spec = WorkerSpec(config, Measure.COMPILE, target=target)
     compile_in_workers(spec, schedule, processes, timeout)
     results = schedule.results()
     # Each worker measured a CPU's peak for itself (this process starts no device: on a GPU or
@@ -144,7 +115,7 @@ def make_plan(
     steps: int = 5,
     tie_tolerance: float = 0.05,
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
-    measure: str = "auto",
+    measure: Measure | str = Measure.AUTO,
     search_budget: bool = True,
     compile_processes: int = 0,
     target: str | None = None,
@@ -170,14 +141,16 @@ def make_plan(
     """
     from framework.memory import format_bytes
 
-    if measure not in MEASURES:
-        raise ValueError(f"measure must be one of {', '.join(MEASURES)}, got {measure!r}")
+    try:
+        measure = Measure(measure)
+    except ValueError:
+        raise ValueError(f"measure must be one of {', '.join(Measure)}, got {measure!r}") from None
     if target is not None:
-        if measure == RUN:
+        if measure == Measure.RUN:
             raise ValueError(
                 f"a plan for {target} is compiled, not run: use measure 'compile' or 'auto'"
             )
-        measure = COMPILE
+        measure = Measure.COMPILE
     available = host_available_bytes()
 
     def fits_host(num_bytes: int) -> bool:
@@ -189,12 +162,12 @@ def make_plan(
     # by itself what does not fit the device's memory, so a "none" that fits may already
     # recompute, and a policy after it may need fewer FLOPs.
     may_skip = {
-        COMPILE: lambda baseline: True,
-        RUN: lambda baseline: False,
-        "auto": lambda baseline: not fits_host(baseline.compiled_step_bytes),
-    }[RUN if target is not None else measure]
+        Measure.COMPILE: lambda baseline: True,
+        Measure.RUN: lambda baseline: False,
+        Measure.AUTO: lambda baseline: not fits_host(baseline.compiled_step_bytes),
+    }[Measure.RUN if target is not None else measure]
     compiled = []
-    if measure != RUN or search_budget:
+    if measure != Measure.RUN or search_budget:
         logging.info(
             "plan: reading %s plan of every combination (nothing runs)",
             f"the {target} compiler's" if target else "XLA's",
@@ -213,16 +186,16 @@ def make_plan(
         )
     if compiled and compiled[0].stage == CONFIG_STAGE:
         raise ConfigError(f"cannot build the run: {compiled[0].error}")
-    if measure == "auto":
+    if measure == Measure.AUTO:
         largest = max((m.compiled_step_bytes for m in compiled if m.ok), default=0)
-        measure = RUN if fits_host(largest) else COMPILE
+        measure = Measure.RUN if fits_host(largest) else Measure.COMPILE
         logging.info(
             "plan: measure=%s (XLA plans at most %s; the host has %s available)",
             measure,
             format_bytes(largest),
             format_bytes(available) if available else "an unknown amount",
         )
-    if measure == COMPILE:
+    if measure == Measure.COMPILE:
         return choose(compiled, budget_bytes, safety_margin, tie_tolerance)
     listed = len(policies) * len(batch_sizes) * len(shard_states)
     searched = [m.policy for m in compiled[listed:] if m.ok]
