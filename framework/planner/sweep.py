@@ -139,33 +139,8 @@ def make_plan(
       ConfigError: when the first combination cannot even be built: the config is wrong, and
         measuring the others would only repeat the error.
     """
-    from framework.memory import format_bytes
-
-    try:
-        measure = Measure(measure)
-    except ValueError:
-        raise ValueError(f"measure must be one of {', '.join(Measure)}, got {measure!r}") from None
-    if target is not None:
-        if measure == Measure.RUN:
-            raise ValueError(
-                f"a plan for {target} is compiled, not run: use measure 'compile' or 'auto'"
-            )
-        measure = Measure.COMPILE
+    measure = _checked_measure(measure, target)
     available = host_available_bytes()
-
-    def fits_host(num_bytes: int) -> bool:
-        return available is None or num_bytes <= HOST_FRACTION * available
-
-    # Leaving combinations out is exact only for the compile measure's estimate. Under "auto", a
-    # no-remat plan too large to run on this host means the plan will be compile-measured.
-    # Nothing is left out for a named target: its compiler (the TPU's, XLA:GPU) rematerializes
-    # by itself what does not fit the device's memory, so a "none" that fits may already
-    # recompute, and a policy after it may need fewer FLOPs.
-    may_skip = {
-        Measure.COMPILE: lambda baseline: True,
-        Measure.RUN: lambda baseline: False,
-        Measure.AUTO: lambda baseline: not fits_host(baseline.compiled_step_bytes),
-    }[Measure.RUN if target is not None else measure]
     compiled = []
     if measure != Measure.RUN or search_budget:
         logging.info(
@@ -178,31 +153,100 @@ def make_plan(
             batch_sizes,
             usable_bytes(budget_bytes, safety_margin),
             search_budget,
-            may_skip,
+            _skip_rule(measure, target, available),
             timeout,
             compile_processes,
             target,
             shard_states,
         )
-    if compiled and compiled[0].stage == CONFIG_STAGE:
-        raise ConfigError(f"cannot build the run: {compiled[0].error}")
+    if compiled:
+        _check_buildable(compiled[0])
     if measure == Measure.AUTO:
-        largest = max((m.compiled_step_bytes for m in compiled if m.ok), default=0)
-        measure = Measure.RUN if fits_host(largest) else Measure.COMPILE
-        logging.info(
-            "plan: measure=%s (XLA plans at most %s; the host has %s available)",
-            measure,
-            format_bytes(largest),
-            format_bytes(available) if available else "an unknown amount",
-        )
+        measure = _auto_measure(compiled, available)
     if measure == Measure.COMPILE:
         return choose(compiled, budget_bytes, safety_margin, tie_tolerance)
     listed = len(policies) * len(batch_sizes) * len(shard_states)
     searched = [m.policy for m in compiled[listed:] if m.ok]
-    measurements = []
+    measured = _run_each(config, [*policies, *searched], batch_sizes, shard_states, steps, timeout)
+    return choose(measured, budget_bytes, safety_margin, tie_tolerance)
+
+
+def _checked_measure(measure: Measure | str, target: str | None) -> Measure:
+    """The mode asked for as a `Measure`, compile for a named target: nothing runs on a device
+    the host does not have."""
+    try:
+        measure = Measure(measure)
+    except ValueError:
+        raise ValueError(f"measure must be one of {', '.join(Measure)}, got {measure!r}") from None
+    if target is None:
+        return measure
+    if measure == Measure.RUN:
+        raise ValueError(
+            f"a plan for {target} is compiled, not run: use measure 'compile' or 'auto'"
+        )
+    return Measure.COMPILE
+
+
+def _fits_host(num_bytes: int, available: int | None) -> bool:
+    """Whether a step that XLA plans at `num_bytes` can run on this host (`HOST_FRACTION`)."""
+    return available is None or num_bytes <= HOST_FRACTION * available
+
+
+def _skip_rule(
+    measure: Measure, target: str | None, available: int | None
+) -> Callable[[Measurement], bool]:
+    """Given a batch size's no-remat plan, whether the schedule may leave out what cannot beat a
+    fit there: exact only for the compile measure's estimate, so under "auto" only when that
+    plan is too large to run on this host (the plan will be compile-measured)."""
+    # Nothing is left out for a named target: its compiler (the TPU's, XLA:GPU) rematerializes
+    # by itself what does not fit the device's memory, so a "none" that fits may already
+    # recompute, and a policy after it may need fewer FLOPs.
+    if target is not None or measure == Measure.RUN:
+        return lambda baseline: False
+    if measure == Measure.COMPILE:
+        return lambda baseline: True
+    return lambda baseline: not _fits_host(baseline.compiled_step_bytes, available)
+
+
+def _check_buildable(first: Measurement) -> None:
+    """Stops the plan at a first result that could not build the run: the config is wrong,
+    and every other combination would only repeat the error."""
+    if first.stage == CONFIG_STAGE:
+        raise ConfigError(f"cannot build the run: {first.error}")
+
+
+def _auto_measure(compiled: Sequence[Measurement], available: int | None) -> Measure:
+    """Run when XLA's plan of the largest combination fits this host, else compile: a run that
+    cannot fit the host would only fail."""
+    from framework.memory import format_bytes
+
+    largest = max((m.compiled_step_bytes for m in compiled if m.ok), default=0)
+    measure = Measure.RUN if _fits_host(largest, available) else Measure.COMPILE
+    logging.info(
+        "plan: measure=%s (XLA plans at most %s; the host has %s available)",
+        measure,
+        format_bytes(largest),
+        format_bytes(available) if available else "an unknown amount",
+    )
+    return measure
+
+
+def _run_each(
+    config: RunConfig,
+    policies: Sequence[str],
+    batch_sizes: Sequence[int | None],
+    shard_states: Sequence[str],
+    steps: int,
+    timeout: float,
+) -> list[Measurement]:
+    """Runs every combination, one process at a time, since runs side by side would skew each
+    other's times."""
+    from framework.memory import format_bytes
+
+    measured = []
     for level in shard_states:
         for batch_size in batch_sizes:
-            for policy in [*policies, *searched]:
+            for policy in policies:
                 logging.info(
                     "plan: measuring remat policy %s, batch size %s, shard state %s",
                     policy,
@@ -210,9 +254,9 @@ def make_plan(
                     level,
                 )
                 result = measure_combination(config, policy, batch_size, steps, timeout, level)
-                if not measurements and result.stage == CONFIG_STAGE:
-                    raise ConfigError(f"cannot build the run: {result.error}")
-                measurements.append(result)
+                if not measured:
+                    _check_buildable(result)
+                measured.append(result)
                 if result.ok:
                     logging.info(
                         "plan: %s: peak %s, %.3f s per step",
@@ -222,4 +266,4 @@ def make_plan(
                     )
                 else:
                     logging.info("plan: %s failed: %s", result.label, result.error)
-    return choose(measurements, budget_bytes, safety_margin, tie_tolerance)
+    return measured
