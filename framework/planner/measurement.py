@@ -27,9 +27,14 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
-from typing import TextIO
+from typing import TYPE_CHECKING, NamedTuple, TextIO
 
 from framework.planner.spec import Combination, Measure, RunConfig, WorkerSpec
+
+if TYPE_CHECKING:
+    from framework.memory import CompiledMemory
+    from framework.shard import ShardedState
+    from framework.trainer.trainer import Trainer
 
 # Failure stages: "config" means the run cannot be built as configured (a user error, the same for
 # every combination); "run" means this combination failed (out of memory, a crash), others
@@ -292,129 +297,196 @@ def serve_compiled(spec: WorkerSpec, jobs: TextIO) -> Iterator[dict]:
     On a slice, the "gradients" and "weights" levels compile the one program of all replicas a
     TPU runs (collectives inside) for every chip of the slice; elsewhere the program is the
     one the run's strategy compiles."""
-    import tensorflow as tf
-
-    from framework import cli, memory, remat, shard
-    from framework.memory import gpu, targets, tpu
-    from framework.runtime import distribute, flops, xla
-    from framework.trainer import Trainer, optim
-
-    chip = targets.target_device(spec.target) if spec.target else None
-    bindings = [*spec.config.bindings, "Trainer.shard_state = 'none'"]
-    devices = 1
-    if chip is not None:
-        # The step of one device, built on this host's CPU: the worker never claims a TPU or a
-        # GPU (the run holds them), and a slice's devices split the global batch.
-        bindings.append("Runtime.strategy = 'one_device'")
-        if chip.kind == "TPU":
-            devices = tpu.tpu_devices(spec.target)
-    try:
-        cli.parse_gin(spec.config.files, bindings, spec.config.search_paths)
-        trainer = Trainer(None, remat_policy=None, count_flops=False)
-    except Exception as error:  # noqa: BLE001 (any failure to build is the config's)
-        trainer, build_error = None, _reason(error)
-    else:
-        replicas = devices if chip is not None else trainer.strategy.num_replicas_in_sync
-        if chip is None:
-            peak, _ = trainer.runtime.peak_flops_per_device(trainer.strategy)
-        else:
-            peak = chip.peak(trainer.runtime.precision)
+    worker = _CompileWorker(spec)
     yield READY
+    for line in iter(jobs.readline, ""):
+        if line.strip():
+            yield worker.compile(Combination.from_json(json.loads(line))).to_json()
 
-    @functools.lru_cache(maxsize=1)  # jobs come level by level: one level's state at a time
-    def sharded(level: str) -> shard.ShardedState | None:
-        if level == "none":
-            return None
-        s = trainer.settings
-        with trainer.strategy.scope():
-            optimizer, _ = optim.scheduled_optimizer(
-                s.optimizer_fn, s.learning_rate, s.warmup_steps, s.train_steps, s.weight_decay
-            )
-        return shard.ShardedState(level, trainer.strategy, trainer.model, optimizer, replicas)
 
-    plans: dict[tuple, tuple[memory.CompiledMemory, float, int | None]] = {}
+class _Program(NamedTuple):
+    """What one compilation of a step gives: XLA's plan, the FLOPs its time is estimated from,
+    and (a GPU target near its memory) the plan's peak without a memory limit."""
 
-    def plan_step(key: tuple, fn, *args) -> tuple[memory.CompiledMemory, float, int | None]:
-        """One compilation for both figures: the plan and the FLOPs its time is estimated from
-        (one per program: levels whose step compiles the same program share it); and for a GPU
-        whose compiler may have rematerialized, the plan's peak without a memory limit."""
-        if key in plans:
-            return plans[key]
-        unlimited = None
-        if chip is not None:
-            in_program = key[-1] == "in program"
-            hlo = fn.experimental_get_compiler_ir(*args)(stage="hlo_serialized")
-            compiled = targets.compile_for_target(
-                hlo, spec.target, replicas=replicas if in_program else 1
-            )
-            if chip.kind == "GPU" and compiled.peak_bytes > NEAR_CAPACITY * chip.memory_bytes:
-                unlimited = gpu.compile_for_card(hlo, chip, UNLIMITED_BYTES).peak_bytes
-            plans[key] = compiled, compiled.flops, unlimited
-        else:
-            compiled, step_flops = flops.compiled_plan_and_flops(
-                fn, *args, device=distribute.first_device(trainer.strategy)
-            )
-            plans[key] = compiled, float(step_flops), unlimited
-        return plans[key]
+    plan: CompiledMemory
+    flops: float
+    unlimited_peak_bytes: int | None
 
-    def compile_one(policy: str, batch_size: int | None, level: str) -> Measurement:
-        if trainer is None:
+
+class _CompileWorker:
+    """What a compile worker keeps from one job to the next, so each is a compilation only: the
+    trainer built once (or why it could not be), the device planned for, the sharded state of
+    the last level and the programs compiled so far."""
+
+    def __init__(self, spec: WorkerSpec):
+        from framework.memory import targets, tpu
+
+        self.target = spec.target
+        self.chip = targets.target_device(spec.target) if spec.target else None
+        self.devices = 1
+        if self.chip is not None and self.chip.kind == "TPU":
+            self.devices = tpu.tpu_devices(spec.target)
+        self.trainer, self.build_error = _build_unsharded(spec.config, self.chip is not None)
+        if self.trainer is not None:
+            strategy = self.trainer.strategy
+            self.replicas = self.devices if self.chip else strategy.num_replicas_in_sync
+            self.peak = self._peak_flops()
+        self._programs: dict[tuple, _Program] = {}
+        self._sharded: tuple[str, ShardedState | None] | None = None
+
+    def _peak_flops(self) -> float:
+        """The peak FLOP/s step times are estimated at: the named device's for the run's
+        precision, or this host's, measured."""
+        if self.chip is None:
+            peak, _ = self.trainer.runtime.peak_flops_per_device(self.trainer.strategy)
+            return peak
+        return self.chip.peak(self.trainer.runtime.precision)
+
+    def compile(self, job: Combination) -> Measurement:
+        """XLA's plan of `job` as a compile-only Measurement; a failure comes back in it, since
+        one combination's failure says nothing of the others'."""
+        import tensorflow as tf
+
+        from framework.runtime import xla
+
+        if self.trainer is None:
             return Measurement(
-                policy, batch_size, error=build_error, stage=CONFIG_STAGE, shard_state=level
+                job.policy,
+                job.batch_size,
+                error=self.build_error,
+                stage=CONFIG_STAGE,
+                shard_state=job.shard_state,
             )
-        batch_size = batch_size or trainer.settings.global_batch_size
+        batch_size = job.batch_size or self.trainer.settings.global_batch_size
         failed = functools.partial(
             Measurement,
-            policy,
+            job.policy,
             batch_size,
             stage=RUN_STAGE,
             measure=Measure.COMPILE,
-            shard_state=level,
+            shard_state=job.shard_state,
         )
         try:
-            # A memory budget prices kept masks as the planned device's compiler stores them.
-            kind = chip.kind if chip else distribute.device_type(trainer.strategy)
-            resolved = remat.get_policy(policy, mask_bits=remat.policies.MASK_BITS.get(kind, 1))
-            enable = resolved is not remat.policies.everything_saveable
-            remat.set_grad_checkpointing(trainer.model, policy=resolved, enable=enable)
-            if chip is not None and batch_size % devices:
-                raise ValueError(
-                    f"batch size {batch_size} does not split over the {devices} devices of "
-                    f"{spec.target}"
-                )
-            state = sharded(level)
-            in_program = chip is not None and state is not None and state.reduces_in_program(True)
-            # compiled_step splits a global batch over the strategy's replicas (one, for a chip).
-            step_batch = batch_size if chip is None else batch_size // devices
-            fn, args = trainer.compiled_step(step_batch, planned=state, in_program=in_program)
-            program = level if in_program else ("gathered" if len(args) > 1 else "whole")
-            key = (policy, step_batch, program, "in program" if in_program else "")
-            compiled, step_flops, unlimited = plan_step(key, fn, *args)
-            kept = kept_bytes(trainer.optimizer, state, in_program)
+            program, kept = self._plan(job.policy, batch_size, job.shard_state)
         except tf.errors.ResourceExhaustedError as error:
             return failed(error=f"out of host memory while compiling: {_reason(error)}")
         except Exception as error:  # noqa: BLE001 (reported in the plan's table, not raised)
             return failed(error=_reason(error))
         return Measurement(
-            policy,
+            job.policy,
             batch_size,
-            compiled_total_bytes=compiled.total_bytes,
-            compiled_temp_bytes=compiled.temp_bytes,
-            compiled_peak_bytes=compiled.peak_bytes,
+            compiled_total_bytes=program.plan.total_bytes,
+            compiled_temp_bytes=program.plan.temp_bytes,
+            compiled_peak_bytes=program.plan.peak_bytes,
             measure=Measure.COMPILE,
             state_bytes=kept,
-            step_flops=step_flops,
-            peak_flops=peak,
+            step_flops=program.flops,
+            peak_flops=self.peak,
             xla_flags=xla.current_flags(),
-            compiler=compiled.compiler,
-            shard_state=level,
-            unlimited_peak_bytes=unlimited,
+            compiler=program.plan.compiler,
+            shard_state=job.shard_state,
+            unlimited_peak_bytes=program.unlimited_peak_bytes,
         )
 
-    for line in iter(jobs.readline, ""):
-        if line.strip():
-            job = Combination.from_json(json.loads(line))
-            yield compile_one(job.policy, job.batch_size, job.shard_state).to_json()
+    def _plan(self, policy: str, batch_size: int, level: str) -> tuple[_Program, int]:
+        """The step of `policy` at `batch_size` and shard `level`, compiled, and the state a
+        device keeps beside it: the two parts of the plan judged against the budget."""
+        self._set_policy(policy)
+        if self.chip is not None and batch_size % self.devices:
+            raise ValueError(
+                f"batch size {batch_size} does not split over the {self.devices} devices of "
+                f"{self.target}"
+            )
+        state = self._sharded_state(level)
+        in_program = self.chip is not None and state is not None and state.reduces_in_program(True)
+        # compiled_step splits a global batch over the strategy's replicas (one, for a chip).
+        step_batch = batch_size if self.chip is None else batch_size // self.devices
+        fn, args = self.trainer.compiled_step(step_batch, planned=state, in_program=in_program)
+        form = level if in_program else ("gathered" if len(args) > 1 else "whole")
+        program = self._compile_step((policy, step_batch, form, in_program), in_program, fn, *args)
+        return program, kept_bytes(self.trainer.optimizer, state, in_program)
+
+    def _set_policy(self, policy: str) -> None:
+        """Checkpoints the model by `policy`; a memory budget prices kept masks as the planned
+        device's compiler stores them."""
+        from framework import remat
+        from framework.runtime import distribute
+
+        kind = self.chip.kind if self.chip else distribute.device_type(self.trainer.strategy)
+        resolved = remat.get_policy(policy, mask_bits=remat.policies.MASK_BITS.get(kind, 1))
+        enable = resolved is not remat.policies.everything_saveable
+        remat.set_grad_checkpointing(self.trainer.model, policy=resolved, enable=enable)
+
+    def _sharded_state(self, level: str) -> ShardedState | None:
+        """The state cut at `level` (None for "none"), kept for the next job only: jobs come
+        level by level, and a level's state is built anew from the optimizer."""
+        if self._sharded is None or self._sharded[0] != level:
+            self._sharded = level, None if level == "none" else self._cut_state(level)
+        return self._sharded[1]
+
+    def _cut_state(self, level: str) -> ShardedState:
+        """A fresh optimizer's state cut at `level` for the run's replicas (a slice's chips),
+        since the trainer itself is built unsharded."""
+        from framework import shard
+        from framework.trainer import optim
+
+        s = self.trainer.settings
+        with self.trainer.strategy.scope():
+            optimizer, _ = optim.scheduled_optimizer(
+                s.optimizer_fn, s.learning_rate, s.warmup_steps, s.train_steps, s.weight_decay
+            )
+        return shard.ShardedState(
+            level, self.trainer.strategy, self.trainer.model, optimizer, self.replicas
+        )
+
+    def _compile_step(self, key: tuple, in_program: bool, fn, *args) -> _Program:
+        """One compilation per program: levels whose step compiles the same program share it."""
+        if key not in self._programs:
+            if self.chip is None:
+                self._programs[key] = self._compile_on_host(fn, *args)
+            else:
+                self._programs[key] = self._compile_for_target(in_program, fn, *args)
+        return self._programs[key]
+
+    def _compile_on_host(self, fn, *args) -> _Program:
+        """XLA's plan and FLOPs from one compilation, for the strategy's first device."""
+        from framework.runtime import distribute, flops
+
+        device = distribute.first_device(self.trainer.strategy)
+        plan, step_flops = flops.compiled_plan_and_flops(fn, *args, device=device)
+        return _Program(plan, float(step_flops), None)
+
+    def _compile_for_target(self, in_program: bool, fn, *args) -> _Program:
+        """The named device's compiler's plan and FLOPs (for every chip of a slice when the
+        program reduces in it); near a GPU's memory also its plan without a limit, since
+        XLA:GPU may have rematerialized by itself to fit."""
+        from framework.memory import gpu, targets
+
+        hlo = fn.experimental_get_compiler_ir(*args)(stage="hlo_serialized")
+        replicas = self.replicas if in_program else 1
+        plan = targets.compile_for_target(hlo, self.target, replicas=replicas)
+        unlimited = None
+        if self.chip.kind == "GPU" and plan.peak_bytes > NEAR_CAPACITY * self.chip.memory_bytes:
+            unlimited = gpu.compile_for_card(hlo, self.chip, UNLIMITED_BYTES).peak_bytes
+        return _Program(plan, plan.flops, unlimited)
+
+
+def _build_unsharded(config: RunConfig, for_target: bool) -> tuple[Trainer | None, str | None]:
+    """The trainer a compile worker plans on, or why it cannot be built (the config's fault,
+    the same for every job): unsharded, since each level is planned on state cut for it."""
+    from framework import cli
+    from framework.trainer import Trainer
+
+    bindings = [*config.bindings, "Trainer.shard_state = 'none'"]
+    if for_target:
+        # The step of one device, built on this host's CPU: the worker never claims a TPU or a
+        # GPU (the run holds them), and a slice's devices split the global batch.
+        bindings.append("Runtime.strategy = 'one_device'")
+    try:
+        cli.parse_gin(config.files, bindings, config.search_paths)
+        return Trainer(None, remat_policy=None, count_flops=False), None
+    except Exception as error:  # noqa: BLE001 (any failure to build is the config's)
+        return None, _reason(error)
 
 
 def main() -> None:
