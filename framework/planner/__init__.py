@@ -6,19 +6,15 @@ It sits beside the binaries, not in `framework.memory`, because it builds the gi
 processes (`measurement.py`, started by `workers.py`): compile workers that read XLA's plan of
 one combination after another, in the order `schedule.py` hands them out, and a fresh process
 for each combination that runs, since allocator statistics and XLA's state belong to a process
-and one setting's leftovers must not count against the next. `sweep.py` puts them together.
+and one setting's leftovers must not count against the next; `spec.py` holds what they are sent.
+`sweep.py` puts them together.
 """
 
 from framework.planner.choose import Plan, choose
 from framework.planner.measurement import Measurement
 from framework.planner.report import table, verdict, write_plan
-from framework.planner.sweep import (
-    ConfigError,
-    RunConfig,
-    make_plan,
-    measure_combination,
-    plan_target,
-)
+from framework.planner.spec import RunConfig
+from framework.planner.sweep import ConfigError, make_plan, measure_combination, plan_target
 
 __all__ = [
     "ConfigError",

@@ -23,6 +23,12 @@ from collections.abc import Sequence
 from framework.planner.measurement import Measurement
 
 
+def usable_bytes(budget_bytes: int, safety_margin: float) -> int:
+    """The budget less its safety margin: what a combination must fit, for the pick and for the
+    budget search of the compile workers alike."""
+    return int(budget_bytes * (1 - safety_margin))
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """The measured combinations, the budget they were judged against, and the pick (or None)."""
@@ -35,7 +41,7 @@ class Plan:
 
     @property
     def usable_bytes(self) -> int:
-        return int(self.budget_bytes * (1 - self.safety_margin))
+        return usable_bytes(self.budget_bytes, self.safety_margin)
 
     def fits(self, measurement: Measurement) -> bool:
         return measurement.ok and measurement.fit_bytes <= self.usable_bytes

@@ -2,11 +2,12 @@
 SPEC_JSON` builds the configured Trainer without a model directory (no lock, checkpoints or
 summaries) and prints one JSON line per combination.
 
-Two ways to measure, `spec["measure"]`:
-- "run": one combination per process (see `sweep.py`), with `TF_CPU_ALLOCATOR_USE_BFC=true` set
-  before TensorFlow starts so the CPU allocator keeps the statistics the peak is read from: the
-  step runs, its allocator peak and median time are measured, and XLA's plan is read beside them.
-- "compile": a worker process (`serve_compiled`) that builds the trainer once, then reads
+Two ways to measure, the `measure` of the `spec.WorkerSpec` given:
+- `Measure.RUN`: one combination per process (see `sweep.py`), with
+  `TF_CPU_ALLOCATOR_USE_BFC=true` set before TensorFlow starts so the CPU allocator keeps the
+  statistics the peak is read from: the step runs, its allocator peak and median time are
+  measured, and XLA's plan is read beside them.
+- `Measure.COMPILE`: a worker process (`serve_compiled`) that builds the trainer once, then reads
   combinations from stdin and prints XLA's plan of each, nothing run: XLA's buffer assignment
   of one replica's forward and backward pass plus the optimizer's state is the per-device
   total, and the dot and convolution FLOPs of that program (recomputation included) over the
@@ -26,7 +27,14 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
-from typing import TextIO
+from typing import TYPE_CHECKING, NamedTuple, TextIO
+
+from framework.planner.spec import Combination, Measure, RunConfig, WorkerSpec
+
+if TYPE_CHECKING:
+    from framework.memory import CompiledMemory
+    from framework.shard import ShardedState
+    from framework.trainer.trainer import Trainer
 
 # Failure stages: "config" means the run cannot be built as configured (a user error, the same for
 # every combination); "run" means this combination failed (out of memory, a crash), others
@@ -35,7 +43,8 @@ CONFIG_STAGE = "config"
 RUN_STAGE = "run"
 # A combination left out because another that fits cannot be beaten (`schedule.py`).
 SKIPPED_STAGE = "skipped"
-RUN, COMPILE = "run", "compile"
+# The measure modes under their names from before `Measure`, which tests import.
+RUN, COMPILE = Measure.RUN, Measure.COMPILE
 # What a compile worker prints once its trainer is built, before its first result.
 READY = {"ready": True}
 # XLA:GPU rematerializes towards 80% of the card's memory (`xla.GPU_SCHEDULER_SHARE`); a plan
@@ -60,8 +69,8 @@ class Measurement:
       step_seconds: median wall time of the timed steps.
       error: why the combination failed, or None; `stage` says whether building the run
         (`CONFIG_STAGE`) or running it (`RUN_STAGE`) failed.
-      measure: `RUN` (the step ran) or `COMPILE` (only XLA's plan: no peak_bytes, no
-        step_seconds).
+      measure: `Measure.RUN` (the step ran) or `Measure.COMPILE` (only XLA's plan: no
+        peak_bytes, no step_seconds).
       state_bytes: the state a device keeps beside XLA's plan of the forward and backward pass
         (whose parameters are the weights, or their shards): the optimizer's slots, whole or
         their shards, and the weights' shards when the program takes the whole weights.
@@ -88,7 +97,7 @@ class Measurement:
     step_seconds: float | None = None
     error: str | None = None
     stage: str | None = None
-    measure: str = RUN
+    measure: Measure = Measure.RUN
     state_bytes: int | None = None
     step_flops: float | None = None
     peak_flops: float | None = None
@@ -96,6 +105,10 @@ class Measurement:
     compiler: str | None = None
     shard_state: str = "none"
     unlimited_peak_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        """The mode as a `Measure` whether given as one or as its word (JSON, callers)."""
+        object.__setattr__(self, "measure", Measure(self.measure))
 
     @property
     def ok(self) -> bool:
@@ -112,12 +125,12 @@ class Measurement:
     @property
     def fit_bytes(self) -> int | None:
         """What is judged against the budget: the measured peak, or XLA's plan when not run."""
-        return self.peak_bytes if self.measure == RUN else self.compiled_step_bytes
+        return self.peak_bytes if self.measure == Measure.RUN else self.compiled_step_bytes
 
     @property
     def fit_kind(self) -> str:
         """What `fit_bytes` is, in words: "peak" (measured) or "XLA's plan"."""
-        return "peak" if self.measure == RUN else "XLA's plan"
+        return "peak" if self.measure == Measure.RUN else "XLA's plan"
 
     @property
     def compiler_remat_bytes(self) -> int:
@@ -142,7 +155,7 @@ class Measurement:
     def seconds(self) -> float | None:
         """Seconds per step: measured, or (compile measure) estimated from the step's FLOPs at
         the device's peak."""
-        return self.step_seconds if self.measure == RUN else self.estimated_step_seconds
+        return self.step_seconds if self.measure == Measure.RUN else self.estimated_step_seconds
 
     @property
     def examples_per_second(self) -> float | None:
@@ -174,28 +187,30 @@ def _reason(error: BaseException) -> str:
     return " ".join((lines[0] if lines else type(error).__name__).split())[:300]
 
 
-def _bindings(spec: dict) -> list[str]:
-    overrides = [f"Trainer.remat_policy = {spec['policy']!r}"]
-    if spec.get("shard_state"):
-        overrides.append(f"Trainer.shard_state = {spec['shard_state']!r}")
-    if spec["batch_size"]:
-        overrides.append(f"Trainer.global_batch_size = {int(spec['batch_size'])}")
-    return [*spec["bindings"], *overrides]
+def _bindings(config: RunConfig, job: Combination) -> list[str]:
+    overrides = [
+        f"Trainer.remat_policy = {job.policy!r}",
+        f"Trainer.shard_state = {job.shard_state!r}",
+    ]
+    if job.batch_size:
+        overrides.append(f"Trainer.global_batch_size = {int(job.batch_size)}")
+    return [*config.bindings, *overrides]
 
 
-def measure(spec: dict) -> Measurement:
-    """Builds and measures the combination `spec` describes (gin files, bindings, search paths,
-    policy, batch size, timed steps). Failures come back as a Measurement with `error` set."""
+def measure(spec: WorkerSpec) -> Measurement:
+    """Builds and measures the combination `spec` names (gin files, bindings, search paths,
+    policy, batch size, shard level, timed steps). Failures come back as a Measurement with
+    `error` set."""
     import tensorflow as tf
 
     from framework import cli, memory
     from framework.trainer import Trainer
 
-    policy, batch_size = spec["policy"], spec["batch_size"]
-    failed = functools.partial(Measurement, policy, batch_size, shard_state=spec["shard_state"])
+    config, job = spec.config, spec.combination
+    failed = functools.partial(Measurement, job.policy, job.batch_size, shard_state=job.shard_state)
     memory.enable_cpu_bfc_allocator()
     try:
-        cli.parse_gin(spec["files"], _bindings(spec), spec["search_paths"])
+        cli.parse_gin(config.files, _bindings(config, job), config.search_paths)
     except cli.UsageError as error:
         return failed(error=str(error), stage=CONFIG_STAGE)
     try:
@@ -206,7 +221,7 @@ def measure(spec: dict) -> Measurement:
         return failed(error=_reason(error), stage=CONFIG_STAGE)
     failed = functools.partial(failed, batch_size=trainer.settings.global_batch_size)
     try:
-        return _measure_steps(trainer, policy, spec["steps"])
+        return _measure_steps(trainer, job.policy, spec.steps)
     except tf.errors.ResourceExhaustedError as error:
         return failed(error=f"out of memory: {_reason(error)}", stage=RUN_STAGE)
     except Exception as error:  # noqa: BLE001 (reported in the plan's table, not raised)
@@ -267,14 +282,14 @@ def kept_bytes(optimizer, sharded, in_program: bool) -> int:
     return kept
 
 
-def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
+def serve_compiled(spec: WorkerSpec, jobs: TextIO) -> Iterator[dict]:
     """A compile worker: builds the configured trainer once, yields `READY`, then for each job
-    line of `jobs` (`{"policy": ..., "batch_size": ..., "shard_state": ...}`) XLA's plan of that
-    combination as a compile-only Measurement's JSON, setting each policy on the model in turn;
-    until `jobs` ends. When the trainer cannot be built, every job gets that config error. A
-    CPU's peak FLOP/s is measured before `READY`, so before the parent starts another worker.
+    line of `jobs` (a `Combination`'s JSON) XLA's plan of that combination as a compile-only
+    Measurement's JSON, setting each policy on the model in turn; until `jobs` ends. When the
+    trainer cannot be built, every job gets that config error. A CPU's peak FLOP/s is measured
+    before `READY`, so before the parent starts another worker.
 
-    With `spec["target"]` (a TPU chip or slice, or a GPU card: `memory.targets.target_device`)
+    With `spec.target` (a TPU chip or slice, or a GPU card: `memory.targets.target_device`)
     each step is compiled by that device's compiler instead (libtpu's, XLA:GPU's), its time
     estimated from the optimised program's FLOPs at the device's peak for the run's precision.
     The trainer is built unsharded; a shard level is planned on a
@@ -282,130 +297,201 @@ def serve_compiled(spec: dict, jobs: TextIO) -> Iterator[dict]:
     On a slice, the "gradients" and "weights" levels compile the one program of all replicas a
     TPU runs (collectives inside) for every chip of the slice; elsewhere the program is the
     one the run's strategy compiles."""
-    import tensorflow as tf
-
-    from framework import cli, memory, remat, shard
-    from framework.memory import gpu, targets, tpu
-    from framework.runtime import distribute, flops, xla
-    from framework.trainer import Trainer, optim
-
-    chip = targets.target_device(spec["target"]) if spec.get("target") else None
-    bindings = [*spec["bindings"], "Trainer.shard_state = 'none'"]
-    devices = 1
-    if chip is not None:
-        # The step of one device, built on this host's CPU: the worker never claims a TPU or a
-        # GPU (the run holds them), and a slice's devices split the global batch.
-        bindings.append("Runtime.strategy = 'one_device'")
-        if chip.kind == "TPU":
-            devices = tpu.tpu_devices(spec["target"])
-    try:
-        cli.parse_gin(spec["files"], bindings, spec["search_paths"])
-        trainer = Trainer(None, remat_policy=None, count_flops=False)
-    except Exception as error:  # noqa: BLE001 (any failure to build is the config's)
-        trainer, build_error = None, _reason(error)
-    else:
-        replicas = devices if chip is not None else trainer.strategy.num_replicas_in_sync
-        if chip is None:
-            peak, _ = trainer.runtime.peak_flops_per_device(trainer.strategy)
-        else:
-            peak = chip.peak(trainer.runtime.precision)
+    worker = _CompileWorker(spec)
     yield READY
+    for line in iter(jobs.readline, ""):
+        if line.strip():
+            yield worker.compile(Combination.from_json(json.loads(line))).to_json()
 
-    @functools.lru_cache(maxsize=1)  # jobs come level by level: one level's state at a time
-    def sharded(level: str) -> shard.ShardedState | None:
-        if level == "none":
-            return None
-        s = trainer.settings
-        with trainer.strategy.scope():
-            optimizer, _ = optim.scheduled_optimizer(
-                s.optimizer_fn, s.learning_rate, s.warmup_steps, s.train_steps, s.weight_decay
-            )
-        return shard.ShardedState(level, trainer.strategy, trainer.model, optimizer, replicas)
 
-    plans: dict[tuple, tuple[memory.CompiledMemory, float, int | None]] = {}
+class _Program(NamedTuple):
+    """What one compilation of a step gives: XLA's plan, the FLOPs its time is estimated from,
+    and (a GPU target near its memory) the plan's peak without a memory limit."""
 
-    def plan_step(key: tuple, fn, *args) -> tuple[memory.CompiledMemory, float, int | None]:
-        """One compilation for both figures: the plan and the FLOPs its time is estimated from
-        (one per program: levels whose step compiles the same program share it); and for a GPU
-        whose compiler may have rematerialized, the plan's peak without a memory limit."""
-        if key in plans:
-            return plans[key]
-        unlimited = None
-        if chip is not None:
-            in_program = key[-1] == "in program"
-            hlo = fn.experimental_get_compiler_ir(*args)(stage="hlo_serialized")
-            compiled = targets.compile_for_target(
-                hlo, spec["target"], replicas=replicas if in_program else 1
-            )
-            if chip.kind == "GPU" and compiled.peak_bytes > NEAR_CAPACITY * chip.memory_bytes:
-                unlimited = gpu.compile_for_card(hlo, chip, UNLIMITED_BYTES).peak_bytes
-            plans[key] = compiled, compiled.flops, unlimited
-        else:
-            compiled, step_flops = flops.compiled_plan_and_flops(
-                fn, *args, device=distribute.first_device(trainer.strategy)
-            )
-            plans[key] = compiled, float(step_flops), unlimited
-        return plans[key]
+    plan: CompiledMemory
+    flops: float
+    unlimited_peak_bytes: int | None
 
-    def compile_one(policy: str, batch_size: int | None, level: str) -> Measurement:
-        if trainer is None:
+
+class _CompileWorker:
+    """What a compile worker keeps from one job to the next, so each is a compilation only: the
+    trainer built once (or why it could not be), the device planned for, the sharded state of
+    the last level and the programs compiled so far."""
+
+    def __init__(self, spec: WorkerSpec):
+        from framework.memory import targets, tpu
+
+        self.target = spec.target
+        self.chip = targets.target_device(spec.target) if spec.target else None
+        self.devices = 1
+        if self.chip is not None and self.chip.kind == "TPU":
+            self.devices = tpu.tpu_devices(spec.target)
+        self.trainer, self.build_error = _build_unsharded(spec.config, self.chip is not None)
+        if self.trainer is not None:
+            strategy = self.trainer.strategy
+            self.replicas = self.devices if self.chip else strategy.num_replicas_in_sync
+            self.peak = self._peak_flops()
+        self._programs: dict[tuple, _Program] = {}
+        self._sharded: tuple[str, ShardedState | None] | None = None
+
+    def _peak_flops(self) -> float:
+        """The peak FLOP/s step times are estimated at: the named device's for the run's
+        precision, or this host's, measured."""
+        if self.chip is None:
+            peak, _ = self.trainer.runtime.peak_flops_per_device(self.trainer.strategy)
+            return peak
+        return self.chip.peak(self.trainer.runtime.precision)
+
+    def compile(self, job: Combination) -> Measurement:
+        """XLA's plan of `job` as a compile-only Measurement; a failure comes back in it, since
+        one combination's failure says nothing of the others'."""
+        import tensorflow as tf
+
+        from framework.runtime import xla
+
+        if self.trainer is None:
             return Measurement(
-                policy, batch_size, error=build_error, stage=CONFIG_STAGE, shard_state=level
+                job.policy,
+                job.batch_size,
+                error=self.build_error,
+                stage=CONFIG_STAGE,
+                shard_state=job.shard_state,
             )
-        batch_size = batch_size or trainer.settings.global_batch_size
+        batch_size = job.batch_size or self.trainer.settings.global_batch_size
         failed = functools.partial(
-            Measurement, policy, batch_size, stage=RUN_STAGE, measure=COMPILE, shard_state=level
+            Measurement,
+            job.policy,
+            batch_size,
+            stage=RUN_STAGE,
+            measure=Measure.COMPILE,
+            shard_state=job.shard_state,
         )
         try:
-            # A memory budget prices kept masks as the planned device's compiler stores them.
-            kind = chip.kind if chip else distribute.device_type(trainer.strategy)
-            resolved = remat.get_policy(policy, mask_bits=remat.policies.MASK_BITS.get(kind, 1))
-            enable = resolved is not remat.policies.everything_saveable
-            remat.set_grad_checkpointing(trainer.model, policy=resolved, enable=enable)
-            if chip is not None and batch_size % devices:
-                raise ValueError(
-                    f"batch size {batch_size} does not split over the {devices} devices of "
-                    f"{spec['target']}"
-                )
-            state = sharded(level)
-            in_program = chip is not None and state is not None and state.reduces_in_program(True)
-            # compiled_step splits a global batch over the strategy's replicas (one, for a chip).
-            step_batch = batch_size if chip is None else batch_size // devices
-            fn, args = trainer.compiled_step(step_batch, planned=state, in_program=in_program)
-            program = level if in_program else ("gathered" if len(args) > 1 else "whole")
-            key = (policy, step_batch, program, "in program" if in_program else "")
-            compiled, step_flops, unlimited = plan_step(key, fn, *args)
-            kept = kept_bytes(trainer.optimizer, state, in_program)
+            program, kept = self._plan(job.policy, batch_size, job.shard_state)
         except tf.errors.ResourceExhaustedError as error:
             return failed(error=f"out of host memory while compiling: {_reason(error)}")
         except Exception as error:  # noqa: BLE001 (reported in the plan's table, not raised)
             return failed(error=_reason(error))
         return Measurement(
-            policy,
+            job.policy,
             batch_size,
-            compiled_total_bytes=compiled.total_bytes,
-            compiled_temp_bytes=compiled.temp_bytes,
-            compiled_peak_bytes=compiled.peak_bytes,
-            measure=COMPILE,
+            compiled_total_bytes=program.plan.total_bytes,
+            compiled_temp_bytes=program.plan.temp_bytes,
+            compiled_peak_bytes=program.plan.peak_bytes,
+            measure=Measure.COMPILE,
             state_bytes=kept,
-            step_flops=step_flops,
-            peak_flops=peak,
+            step_flops=program.flops,
+            peak_flops=self.peak,
             xla_flags=xla.current_flags(),
-            compiler=compiled.compiler,
-            shard_state=level,
-            unlimited_peak_bytes=unlimited,
+            compiler=program.plan.compiler,
+            shard_state=job.shard_state,
+            unlimited_peak_bytes=program.unlimited_peak_bytes,
         )
 
-    for line in iter(jobs.readline, ""):
-        if line.strip():
-            job = json.loads(line)
-            level = job.get("shard_state", "none")
-            yield compile_one(job["policy"], job["batch_size"], level).to_json()
+    def _plan(self, policy: str, batch_size: int, level: str) -> tuple[_Program, int]:
+        """The step of `policy` at `batch_size` and shard `level`, compiled, and the state a
+        device keeps beside it: the two parts of the plan judged against the budget."""
+        self._set_policy(policy)
+        if self.chip is not None and batch_size % self.devices:
+            raise ValueError(
+                f"batch size {batch_size} does not split over the {self.devices} devices of "
+                f"{self.target}"
+            )
+        state = self._sharded_state(level)
+        in_program = self.chip is not None and state is not None and state.reduces_in_program(True)
+        # compiled_step splits a global batch over the strategy's replicas (one, for a chip).
+        step_batch = batch_size if self.chip is None else batch_size // self.devices
+        fn, args = self.trainer.compiled_step(step_batch, planned=state, in_program=in_program)
+        form = level if in_program else ("gathered" if len(args) > 1 else "whole")
+        program = self._compile_step((policy, step_batch, form, in_program), in_program, fn, *args)
+        return program, kept_bytes(self.trainer.optimizer, state, in_program)
+
+    def _set_policy(self, policy: str) -> None:
+        """Checkpoints the model by `policy`; a memory budget prices kept masks as the planned
+        device's compiler stores them."""
+        from framework import remat
+        from framework.runtime import distribute
+
+        kind = self.chip.kind if self.chip else distribute.device_type(self.trainer.strategy)
+        resolved = remat.get_policy(policy, mask_bits=remat.policies.MASK_BITS.get(kind, 1))
+        enable = resolved is not remat.policies.everything_saveable
+        remat.set_grad_checkpointing(self.trainer.model, policy=resolved, enable=enable)
+
+    def _sharded_state(self, level: str) -> ShardedState | None:
+        """The state cut at `level` (None for "none"), kept for the next job only: jobs come
+        level by level, and a level's state is built anew from the optimizer."""
+        if self._sharded is None or self._sharded[0] != level:
+            self._sharded = level, None if level == "none" else self._cut_state(level)
+        return self._sharded[1]
+
+    def _cut_state(self, level: str) -> ShardedState:
+        """A fresh optimizer's state cut at `level` for the run's replicas (a slice's chips),
+        since the trainer itself is built unsharded."""
+        from framework import shard
+        from framework.trainer import optim
+
+        s = self.trainer.settings
+        with self.trainer.strategy.scope():
+            optimizer, _ = optim.scheduled_optimizer(
+                s.optimizer_fn, s.learning_rate, s.warmup_steps, s.train_steps, s.weight_decay
+            )
+        return shard.ShardedState(
+            level, self.trainer.strategy, self.trainer.model, optimizer, self.replicas
+        )
+
+    def _compile_step(self, key: tuple, in_program: bool, fn, *args) -> _Program:
+        """One compilation per program: levels whose step compiles the same program share it."""
+        if key not in self._programs:
+            if self.chip is None:
+                self._programs[key] = self._compile_on_host(fn, *args)
+            else:
+                self._programs[key] = self._compile_for_target(in_program, fn, *args)
+        return self._programs[key]
+
+    def _compile_on_host(self, fn, *args) -> _Program:
+        """XLA's plan and FLOPs from one compilation, for the strategy's first device."""
+        from framework.runtime import distribute, flops
+
+        device = distribute.first_device(self.trainer.strategy)
+        plan, step_flops = flops.compiled_plan_and_flops(fn, *args, device=device)
+        return _Program(plan, float(step_flops), None)
+
+    def _compile_for_target(self, in_program: bool, fn, *args) -> _Program:
+        """The named device's compiler's plan and FLOPs (for every chip of a slice when the
+        program reduces in it); near a GPU's memory also its plan without a limit, since
+        XLA:GPU may have rematerialized by itself to fit."""
+        from framework.memory import gpu, targets
+
+        hlo = fn.experimental_get_compiler_ir(*args)(stage="hlo_serialized")
+        replicas = self.replicas if in_program else 1
+        plan = targets.compile_for_target(hlo, self.target, replicas=replicas)
+        unlimited = None
+        if self.chip.kind == "GPU" and plan.peak_bytes > NEAR_CAPACITY * self.chip.memory_bytes:
+            unlimited = gpu.compile_for_card(hlo, self.chip, UNLIMITED_BYTES).peak_bytes
+        return _Program(plan, plan.flops, unlimited)
+
+
+def _build_unsharded(config: RunConfig, for_target: bool) -> tuple[Trainer | None, str | None]:
+    """The trainer a compile worker plans on, or why it cannot be built (the config's fault,
+    the same for every job): unsharded, since each level is planned on state cut for it."""
+    from framework import cli
+    from framework.trainer import Trainer
+
+    bindings = [*config.bindings, "Trainer.shard_state = 'none'"]
+    if for_target:
+        # The step of one device, built on this host's CPU: the worker never claims a TPU or a
+        # GPU (the run holds them), and a slice's devices split the global batch.
+        bindings.append("Runtime.strategy = 'one_device'")
+    try:
+        cli.parse_gin(config.files, bindings, config.search_paths)
+        return Trainer(None, remat_policy=None, count_flops=False), None
+    except Exception as error:  # noqa: BLE001 (any failure to build is the config's)
+        return None, _reason(error)
 
 
 def main() -> None:
-    spec = json.loads(sys.argv[1])
-    if spec.get("measure") == COMPILE:
+    spec = WorkerSpec.from_json(json.loads(sys.argv[1]))
+    if spec.measure == Measure.COMPILE:
         # The protocol keeps stdout's pipe to itself: anything else written there (TensorFlow,
         # a model that prints) goes to stderr instead.
         protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w")

@@ -11,6 +11,7 @@ import json
 
 from framework.planner.choose import Plan
 from framework.planner.measurement import SKIPPED_STAGE, Measurement
+from framework.planner.spec import Measure
 
 _COLUMNS = (
     "policy",
@@ -97,7 +98,7 @@ def verdict(plan: Plan) -> str:
     )
     if plan.pick is not None:
         pick = plan.pick
-        speed = "" if pick.measure == "run" else " (estimated from its FLOPs)"
+        speed = "" if pick.measure == Measure.RUN else " (estimated from its FLOPs)"
         recomputed = ""
         if pick.compiler_remat_bytes:
             recomputed = (
@@ -199,7 +200,7 @@ def plot(plan: Plan, path: str) -> None:
     # A budget far above every peak would squash the points into one line at the bottom.
     axes.set_ylim(0, max(min(plan.budget_bytes / 2**20, 4 * max(peaks)), max(peaks)) * 1.1)
     axes.margins(x=0.15)
-    compiled = any(m.measure != "run" for m in measured)
+    compiled = any(m.measure != Measure.RUN for m in measured)
     axes.set_xlabel("step time (s)" + (", estimated from FLOPs" if compiled else ", median"))
     axes.set_ylabel("XLA's plan (MiB)" if compiled else "allocator peak (MiB)")
     axes.set_title("remat policy and batch size: memory against time")

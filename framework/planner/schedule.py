@@ -22,12 +22,8 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
-from framework.planner.measurement import (
-    COMPILE,
-    CONFIG_STAGE,
-    SKIPPED_STAGE,
-    Measurement,
-)
+from framework.planner.measurement import CONFIG_STAGE, SKIPPED_STAGE, Measurement
+from framework.planner.spec import Combination, Measure
 
 # Budget fractions are searched in steps of 1/BUDGET_GRID: "budget:0.34", not "budget:0.328125".
 BUDGET_GRID = 50
@@ -44,6 +40,11 @@ class Job:
     batch_size: int | None
     search: bool = False
     shard_state: str = "none"
+
+    @property
+    def combination(self) -> Combination:
+        """What a compile worker is sent: the setting, not how the schedule came to it."""
+        return Combination(self.policy, self.batch_size, self.shard_state)
 
 
 def _is_no_remat(policy: str) -> bool:
@@ -272,7 +273,7 @@ class CompileSchedule:
                 baseline.batch_size,
                 error=reason,
                 stage=SKIPPED_STAGE,
-                measure=COMPILE,
+                measure=Measure.COMPILE,
                 shard_state=shard_state,
             )
             self._out.discard(job)
@@ -295,7 +296,7 @@ class CompileSchedule:
                 job.batch_size,
                 error=missing,
                 stage=CONFIG_STAGE if self.config_error else None,
-                measure=COMPILE,
+                measure=Measure.COMPILE,
                 shard_state=job.shard_state,
             )
             for job in self.jobs

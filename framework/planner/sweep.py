@@ -10,18 +10,12 @@ import logging
 from collections.abc import Callable, Sequence
 
 from framework.core.errors import FrameworkError
-from framework.planner.choose import Plan, choose
-from framework.planner.measurement import (
-    COMPILE,
-    CONFIG_STAGE,
-    RUN,
-    RUN_STAGE,
-    Measurement,
-)
+from framework.planner.choose import Plan, choose, usable_bytes
+from framework.planner.measurement import CONFIG_STAGE, RUN_STAGE, Measurement
 from framework.planner.schedule import CompileSchedule
+from framework.planner.spec import Combination, Measure, RunConfig, WorkerSpec
 from framework.planner.workers import compile_in_workers, host_available_bytes, run_child
 
-MEASURES = ("auto", RUN, COMPILE)
 # `auto` runs the combinations when XLA's plan of the largest fits in this fraction of the host's
 # available memory (a run also holds the data pipeline, TensorFlow's runtime and the allocator's
 # slack); otherwise it plans from XLA alone.
@@ -34,7 +28,7 @@ class ConfigError(FrameworkError):
     """The run cannot be built as configured, whatever the policy: a user error, not a result."""
 
 
-def plan_target(name: str | None, measure: str) -> str | None:
+def plan_target(name: str | None, measure: Measure | str) -> str | None:
     """The device a plan compiles for: `name` (a TPU chip or slice, or a GPU card:
     `memory.targets.target_device`), or without one, when the plan compiles (`measure` is not
     "run"), this host's GPU if it has one the framework knows (`memory.gpu.local_card`): a GPU
@@ -49,25 +43,16 @@ def plan_target(name: str | None, measure: str) -> str | None:
     from framework.memory import gpu, targets
 
     if name is None:
-        card = None if measure == RUN else gpu.local_card()
+        card = None if measure == Measure.RUN else gpu.local_card()
         if card is None:
             return None
         logging.info("plan: compiling for this host's GPU, described as %s", card.name)
         name = card.name
     device = targets.target_device(name)
-    if measure == RUN:
+    if measure == Measure.RUN:
         raise ValueError(f"a plan for {name} is compiled, not run: drop --measure=run")
     jax_internals.require_compiler(device.kind.lower())
     return name
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """The trainer's configuration as the binaries got it: gin files, bindings, search paths."""
-
-    files: Sequence[str]
-    bindings: Sequence[str]
-    search_paths: Sequence[str]
 
 
 def measure_combination(
@@ -79,16 +64,8 @@ def measure_combination(
     shard_state: str = "none",
 ) -> Measurement:
     """Measures one combination in a child process; a crash or timeout becomes a failed result."""
-    spec = {
-        "files": list(config.files),
-        "bindings": list(config.bindings),
-        "search_paths": list(config.search_paths),
-        "policy": policy,
-        "batch_size": batch_size,
-        "steps": steps,
-        "shard_state": shard_state,
-    }
-    results, failure = run_child(spec, timeout)
+    job = Combination(policy, batch_size, shard_state)
+    results, failure = run_child(WorkerSpec(config, Measure.RUN, job, steps=steps), timeout)
     if results:
         return results[-1]
     return Measurement(policy, batch_size, error=failure, stage=RUN_STAGE, shard_state=shard_state)
@@ -116,16 +93,10 @@ def compile_combinations(
     (`memory.targets.target_device`); None compiles for this host's device. Each level of
     `shard_states` plans every combination.
     """
-    spec = {
-        "files": list(config.files),
-        "bindings": list(config.bindings),
-        "search_paths": list(config.search_paths),
-        "measure": COMPILE,
-        "target": target,
-    }
     schedule = CompileSchedule(
         policies, batch_sizes, usable_bytes, search_budget, may_skip, shard_states
     )
+    spec = WorkerSpec(config, Measure.COMPILE, target=target)
     compile_in_workers(spec, schedule, processes, timeout)
     results = schedule.results()
     # Each worker measured a CPU's peak for itself (this process starts no device: on a GPU or
@@ -144,7 +115,7 @@ def make_plan(
     steps: int = 5,
     tie_tolerance: float = 0.05,
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
-    measure: str = "auto",
+    measure: Measure | str = Measure.AUTO,
     search_budget: bool = True,
     compile_processes: int = 0,
     target: str | None = None,
@@ -168,34 +139,10 @@ def make_plan(
       ConfigError: when the first combination cannot even be built: the config is wrong, and
         measuring the others would only repeat the error.
     """
-    from framework.memory import format_bytes
-
-    if measure not in MEASURES:
-        raise ValueError(f"measure must be one of {', '.join(MEASURES)}, got {measure!r}")
-    if target is not None:
-        if measure == RUN:
-            raise ValueError(
-                f"a plan for {target} is compiled, not run: use measure 'compile' or 'auto'"
-            )
-        measure = COMPILE
-    usable = int(budget_bytes * (1 - safety_margin))
+    measure = _checked_measure(measure, target)
     available = host_available_bytes()
-
-    def fits_host(num_bytes: int) -> bool:
-        return available is None or num_bytes <= HOST_FRACTION * available
-
-    # Leaving combinations out is exact only for the compile measure's estimate. Under "auto", a
-    # no-remat plan too large to run on this host means the plan will be compile-measured.
-    # Nothing is left out for a named target: its compiler (the TPU's, XLA:GPU) rematerializes
-    # by itself what does not fit the device's memory, so a "none" that fits may already
-    # recompute, and a policy after it may need fewer FLOPs.
-    may_skip = {
-        COMPILE: lambda baseline: True,
-        RUN: lambda baseline: False,
-        "auto": lambda baseline: not fits_host(baseline.compiled_step_bytes),
-    }[RUN if target is not None else measure]
     compiled = []
-    if measure != RUN or search_budget:
+    if measure != Measure.RUN or search_budget:
         logging.info(
             "plan: reading %s plan of every combination (nothing runs)",
             f"the {target} compiler's" if target else "XLA's",
@@ -204,33 +151,102 @@ def make_plan(
             config,
             policies,
             batch_sizes,
-            usable,
+            usable_bytes(budget_bytes, safety_margin),
             search_budget,
-            may_skip,
+            _skip_rule(measure, target, available),
             timeout,
             compile_processes,
             target,
             shard_states,
         )
-    if compiled and compiled[0].stage == CONFIG_STAGE:
-        raise ConfigError(f"cannot build the run: {compiled[0].error}")
-    if measure == "auto":
-        largest = max((m.compiled_step_bytes for m in compiled if m.ok), default=0)
-        measure = RUN if fits_host(largest) else COMPILE
-        logging.info(
-            "plan: measure=%s (XLA plans at most %s; the host has %s available)",
-            measure,
-            format_bytes(largest),
-            format_bytes(available) if available else "an unknown amount",
-        )
-    if measure == COMPILE:
+    if compiled:
+        _check_buildable(compiled[0])
+    if measure == Measure.AUTO:
+        measure = _auto_measure(compiled, available)
+    if measure == Measure.COMPILE:
         return choose(compiled, budget_bytes, safety_margin, tie_tolerance)
     listed = len(policies) * len(batch_sizes) * len(shard_states)
     searched = [m.policy for m in compiled[listed:] if m.ok]
-    measurements = []
+    measured = _run_each(config, [*policies, *searched], batch_sizes, shard_states, steps, timeout)
+    return choose(measured, budget_bytes, safety_margin, tie_tolerance)
+
+
+def _checked_measure(measure: Measure | str, target: str | None) -> Measure:
+    """The mode asked for as a `Measure`, compile for a named target: nothing runs on a device
+    the host does not have."""
+    try:
+        measure = Measure(measure)
+    except ValueError:
+        raise ValueError(f"measure must be one of {', '.join(Measure)}, got {measure!r}") from None
+    if target is None:
+        return measure
+    if measure == Measure.RUN:
+        raise ValueError(
+            f"a plan for {target} is compiled, not run: use measure 'compile' or 'auto'"
+        )
+    return Measure.COMPILE
+
+
+def _fits_host(num_bytes: int, available: int | None) -> bool:
+    """Whether a step that XLA plans at `num_bytes` can run on this host (`HOST_FRACTION`)."""
+    return available is None or num_bytes <= HOST_FRACTION * available
+
+
+def _skip_rule(
+    measure: Measure, target: str | None, available: int | None
+) -> Callable[[Measurement], bool]:
+    """Given a batch size's no-remat plan, whether the schedule may leave out what cannot beat a
+    fit there: exact only for the compile measure's estimate, so under "auto" only when that
+    plan is too large to run on this host (the plan will be compile-measured)."""
+    # Nothing is left out for a named target: its compiler (the TPU's, XLA:GPU) rematerializes
+    # by itself what does not fit the device's memory, so a "none" that fits may already
+    # recompute, and a policy after it may need fewer FLOPs.
+    if target is not None or measure == Measure.RUN:
+        return lambda baseline: False
+    if measure == Measure.COMPILE:
+        return lambda baseline: True
+    return lambda baseline: not _fits_host(baseline.compiled_step_bytes, available)
+
+
+def _check_buildable(first: Measurement) -> None:
+    """Stops the plan at a first result that could not build the run: the config is wrong,
+    and every other combination would only repeat the error."""
+    if first.stage == CONFIG_STAGE:
+        raise ConfigError(f"cannot build the run: {first.error}")
+
+
+def _auto_measure(compiled: Sequence[Measurement], available: int | None) -> Measure:
+    """Run when XLA's plan of the largest combination fits this host, else compile: a run that
+    cannot fit the host would only fail."""
+    from framework.memory import format_bytes
+
+    largest = max((m.compiled_step_bytes for m in compiled if m.ok), default=0)
+    measure = Measure.RUN if _fits_host(largest, available) else Measure.COMPILE
+    logging.info(
+        "plan: measure=%s (XLA plans at most %s; the host has %s available)",
+        measure,
+        format_bytes(largest),
+        format_bytes(available) if available else "an unknown amount",
+    )
+    return measure
+
+
+def _run_each(
+    config: RunConfig,
+    policies: Sequence[str],
+    batch_sizes: Sequence[int | None],
+    shard_states: Sequence[str],
+    steps: int,
+    timeout: float,
+) -> list[Measurement]:
+    """Runs every combination, one process at a time, since runs side by side would skew each
+    other's times."""
+    from framework.memory import format_bytes
+
+    measured = []
     for level in shard_states:
         for batch_size in batch_sizes:
-            for policy in [*policies, *searched]:
+            for policy in policies:
                 logging.info(
                     "plan: measuring remat policy %s, batch size %s, shard state %s",
                     policy,
@@ -238,9 +254,9 @@ def make_plan(
                     level,
                 )
                 result = measure_combination(config, policy, batch_size, steps, timeout, level)
-                if not measurements and result.stage == CONFIG_STAGE:
-                    raise ConfigError(f"cannot build the run: {result.error}")
-                measurements.append(result)
+                if not measured:
+                    _check_buildable(result)
+                measured.append(result)
                 if result.ok:
                     logging.info(
                         "plan: %s: peak %s, %.3f s per step",
@@ -250,4 +266,4 @@ def make_plan(
                     )
                 else:
                     logging.info("plan: %s failed: %s", result.label, result.error)
-    return choose(measurements, budget_bytes, safety_margin, tie_tolerance)
+    return measured

@@ -20,8 +20,9 @@ import sys
 import tempfile
 import time
 
-from framework.planner.measurement import COMPILE, READY, RUN_STAGE, Measurement
+from framework.planner.measurement import READY, RUN_STAGE, Measurement
 from framework.planner.schedule import CompileSchedule, Job
+from framework.planner.spec import Measure, WorkerSpec
 
 # An automatic pool adds a worker while the host's available memory is at least this many times
 # the largest peak resident memory of a worker: once one has compiled, its peak over building
@@ -31,18 +32,18 @@ MEMORY_HEADROOM = 1.25
 BUILT_HEADROOM = 2.0
 
 
-def _env(spec: dict) -> dict[str, str]:
+def _env(spec: WorkerSpec) -> dict[str, str]:
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    if spec.get("target"):
+    if spec.target:
         # A step planned for a named device is built on this host's CPU: a worker never claims
         # a GPU of this host (the run, or the other workers, need it).
         env["CUDA_VISIBLE_DEVICES"] = "-1"
     return env
 
 
-def _command(spec: dict) -> list[str]:
-    return [sys.executable, "-m", "framework.planner.measurement", json.dumps(spec)]
+def _command(spec: WorkerSpec) -> list[str]:
+    return [sys.executable, "-m", "framework.planner.measurement", json.dumps(spec.to_json())]
 
 
 def failure_message(returncode: int, stderr: str) -> str:
@@ -55,7 +56,7 @@ def failure_message(returncode: int, stderr: str) -> str:
     return f"exit status {returncode}: {lines[-1].strip() if lines else 'no output'}"[:300]
 
 
-def run_child(spec: dict, timeout: float) -> tuple[list[Measurement], str | None]:
+def run_child(spec: WorkerSpec, timeout: float) -> tuple[list[Measurement], str | None]:
     """Runs `framework.planner.measurement` on `spec` in a fresh process: its results (one JSON
     line each), and what went wrong when it did not end well."""
     try:
@@ -104,7 +105,7 @@ def usable_cores() -> int:
 class _Worker:
     """One compile worker process, fed jobs on stdin; its results arrive as lines on stdout."""
 
-    def __init__(self, spec: dict):
+    def __init__(self, spec: WorkerSpec):
         self._stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             _command(spec),
@@ -120,9 +121,7 @@ class _Worker:
 
     def send(self, job: Job, timeout: float) -> bool:
         """Hands the worker `job`; False when the process is gone (its input is closed)."""
-        line = json.dumps(
-            {"policy": job.policy, "batch_size": job.batch_size, "shard_state": job.shard_state}
-        )
+        line = json.dumps(job.combination.to_json())
         try:
             self.proc.stdin.write(line.encode() + b"\n")
             self.proc.stdin.flush()
@@ -188,7 +187,7 @@ class _Pool:
     compiled; for a TPU target, none before one has). A worker that cannot start beside the
     others caps `processes` at those."""
 
-    spec: dict
+    spec: WorkerSpec
     processes: int
     automatic: bool
     workers: list[_Worker] = dataclasses.field(default_factory=list)
@@ -205,7 +204,7 @@ class _Pool:
             return False
         if self.compiled_peak_bytes:
             needed = MEMORY_HEADROOM * self.compiled_peak_bytes
-        elif self.spec.get("target"):
+        elif self.spec.target:
             # The TPU and GPU compilers take many times what building the model did (ViT-B/16
             # for a TPU: 10.9 GB against 0.9 GB): wait for the first compilation's peak.
             return False
@@ -222,7 +221,7 @@ class _Pool:
 
 
 def compile_in_workers(
-    spec: dict, schedule: CompileSchedule, processes: int, timeout: float
+    spec: WorkerSpec, schedule: CompileSchedule, processes: int, timeout: float
 ) -> None:
     """Compiles what `schedule` hands out in worker processes until it is done.
 
@@ -338,7 +337,7 @@ def _failed(job: Job, failure: str) -> Measurement:
         job.batch_size,
         error=failure,
         stage=RUN_STAGE,
-        measure=COMPILE,
+        measure=Measure.COMPILE,
         shard_state=job.shard_state,
     )
 

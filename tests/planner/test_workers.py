@@ -3,6 +3,7 @@ start (`compile_worker_stub.py` speaks the workers' protocol without TensorFlow,
 takes well under a second). The real workers are in test_plan.py."""
 
 import collections
+import dataclasses
 import json
 import sys
 import time
@@ -13,6 +14,7 @@ import pytest
 from framework.planner import workers
 from framework.planner.measurement import RUN_STAGE, SKIPPED_STAGE
 from framework.planner.schedule import CompileSchedule
+from framework.planner.spec import Measure, RunConfig, WorkerSpec
 from tests.subprocesses import TESTS_DIR
 
 PLANS = {
@@ -22,6 +24,7 @@ PLANS = {
     "nothing_saveable": [280, 120.0],
 }
 POLICIES = list(PLANS)
+SPEC = WorkerSpec(RunConfig(files=(), bindings=(), search_paths=()), Measure.COMPILE)
 
 
 @pytest.fixture
@@ -30,14 +33,14 @@ def stub(monkeypatch, tmp_path):
     -> the log lines of every worker, as (pid, what) pairs."""
     logs = iter(tmp_path / f"log{i}" for i in range(100))
     stub_path = str(TESTS_DIR / "compile_worker_stub.py")
-    monkeypatch.setattr(
-        workers, "_command", lambda spec: [sys.executable, stub_path, json.dumps(spec)]
-    )
 
     def run(schedule, processes=1, timeout=60.0, **script):
         log = next(logs)
-        spec = {"stub": {"plans": PLANS, "log": str(log), **script}}
-        workers.compile_in_workers(spec, schedule, processes, timeout)
+        stub_spec = json.dumps({"stub": {"plans": PLANS, "log": str(log), **script}})
+        monkeypatch.setattr(
+            workers, "_command", lambda spec: [sys.executable, stub_path, stub_spec]
+        )
+        workers.compile_in_workers(SPEC, schedule, processes, timeout)
         return [tuple(line.split(" ", 1)) for line in log.read_text().splitlines()]
 
     return run
@@ -160,6 +163,7 @@ def test_a_tpu_target_adds_a_worker_only_once_one_has_compiled(monkeypatch):
     monkeypatch.setattr(workers, "host_available_bytes", lambda: 20 * 2**30)
     ready = types.SimpleNamespace(ready=True)
     for target, compiled, grows in [(None, 0, True), ("v5e", 0, False), ("v5e", 2**30, True)]:
-        pool = workers._Pool({"target": target}, 2, automatic=True, workers=[ready])
+        spec = dataclasses.replace(SPEC, target=target)
+        pool = workers._Pool(spec, 2, automatic=True, workers=[ready])
         pool.built_peak_bytes, pool.compiled_peak_bytes = 2**30, compiled
         assert pool.may_grow() is grows, (target, compiled)
