@@ -178,15 +178,7 @@ def perform(launch: Launch, runner: Runner) -> None:
             spec = with_accelerator_type(launch.tpu, launch.spec, runner)
             setup(launch.tpu, spec.accelerator_type, launch.libtpu_flags, runner)
         case "run":
-            run(
-                launch.tpu,
-                launch.spec,
-                launch.train_args,
-                runner,
-                until_done=launch.until_done,
-                polling=launch.polling,
-                libtpu_flags=launch.libtpu_flags,
-            )
+            run(launch.job, runner, until_done=launch.until_done)
         case "logs":
             logs(launch.tpu, launch.worker, launch.lines, launch.follow, runner)
         case "status":
@@ -194,14 +186,7 @@ def perform(launch: Launch, runner: Runner) -> None:
         case "stop":
             stop(launch.tpu, launch.stop_timeout, runner)
         case "resume":
-            resume(
-                launch.tpu,
-                launch.spec,
-                launch.train_args,
-                runner,
-                polling=launch.polling,
-                libtpu_flags=launch.libtpu_flags,
-            )
+            resume(launch.job, runner)
         case "delete":
             delete(launch.tpu, launch.spec.queued, runner)
         case "versions":

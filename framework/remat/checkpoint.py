@@ -25,8 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import keras
 import numpy as np
@@ -41,25 +40,20 @@ from framework.remat.op_callbacks import in_region
 from framework.remat.policies import Policy, everything_saveable, get_policy
 from framework.remat.replay import Region
 from framework.remat.state_order import assign_variable, read_variable
+from framework.remat.thread_state import ThreadSetting
 
-_switch = threading.local()
+_plain = ThreadSetting(False)
 
 
-@contextlib.contextmanager
-def plain_calls() -> Iterator[None]:
+def plain_calls() -> contextlib.AbstractContextManager:
     """In this thread, checkpointed regions (and `remat.scan`'s steps) run as plain calls: the
     step as it would be without remat, e.g. to measure what remat saves (`remat.summary`)."""
-    previous = getattr(_switch, "plain", False)
-    _switch.plain = True
-    try:
-        yield
-    finally:
-        _switch.plain = previous
+    return _plain.set(True)
 
 
 def remat_is_on(policy: Policy) -> bool:
     """Whether a region with `policy` recomputes in this thread (see `plain_calls`)."""
-    return policy is not everything_saveable and not getattr(_switch, "plain", False)
+    return policy is not everything_saveable and not _plain.value
 
 
 @dataclasses.dataclass(frozen=True)

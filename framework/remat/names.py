@@ -3,33 +3,26 @@
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Iterator
 from typing import TypeVar
 
 import tensorflow as tf
 
 from framework.core import tf_internals
 from framework.remat.op_callbacks import tagging
+from framework.remat.thread_state import ThreadSetting
 
 T = TypeVar("T")
 TAG_ATTR = "_remat_checkpoint_name"  # on the tagged identity, for `saved_residuals`' report
-_names = threading.local()
+_tagging_off = ThreadSetting(False)
 
 
-@contextlib.contextmanager
-def without_checkpoint_names() -> Iterator[None]:
+def without_checkpoint_names() -> contextlib.AbstractContextManager:
     """In this thread, `checkpoint_name` is a plain `tf.identity` that tags nothing.
 
     For graphs no policy will ever read, such as a model's serving function in a SavedModel
     (`framework.export`): they then carry no attribute of the remat library.
     """
-    previous = getattr(_names, "off", False)
-    _names.off = True
-    try:
-        yield
-    finally:
-        _names.off = previous
+    return _tagging_off.set(True)
 
 
 def checkpoint_name(x: T, name: str) -> T:
@@ -37,7 +30,7 @@ def checkpoint_name(x: T, name: str) -> T:
 
     Outside a checkpointed region it is a plain `tf.identity`.
     """
-    if getattr(_names, "off", False):
+    if _tagging_off.value:
         return tf.nest.map_structure(tf.identity, x)
 
     def tag(t):

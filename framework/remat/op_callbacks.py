@@ -19,6 +19,7 @@ import tensorflow as tf
 from framework.core import tf_internals
 from framework.remat.dependencies import in_graph, with_dep
 from framework.remat.random_values import is_random_op, tie_seeds
+from framework.remat.thread_state import ThreadSetting
 
 _IGNORED_OPS = frozenset({"Placeholder", "Const", "NoOp"})
 
@@ -78,20 +79,17 @@ def tied_to_pass(t: tf.Tensor) -> tf.Tensor:
     return with_dep(t, in_graph(stack[-1].dep, tf.compat.v1.get_default_graph()))
 
 
+_tag: ThreadSetting[str | None] = ThreadSetting(None)
+
+
 def pending_tag() -> str | None:
     """The `checkpoint_name` tag of the op being created, if any."""
-    return getattr(_local, "tag", None)
+    return _tag.value
 
 
-@contextlib.contextmanager
-def tagging(name: str) -> Iterator[None]:
+def tagging(name: str) -> contextlib.AbstractContextManager:
     """Marks the next op created in this thread as `checkpoint_name(..., name)`."""
-    previous = pending_tag()
-    _local.tag = name
-    try:
-        yield
-    finally:
-        _local.tag = previous
+    return _tag.set(name)
 
 
 def _dispatch(op_type, inputs, attrs, outputs, op_name=None, graph=None):

@@ -30,7 +30,7 @@ from launch.tpu.gcloud import (
     tpus,
     with_accelerator_type,
 )
-from launch.tpu.options import Polling, SliceSpec, Tpu
+from launch.tpu.options import Polling, SliceSpec, Tpu, TrainingJob
 from launch.tpu.records import record_path, save_record
 from launch.tpu.remote import (
     EXIT_NOT_READY,
@@ -284,57 +284,35 @@ def require_ready(tpu: Tpu, queued: bool | None, runner: Runner) -> None:
         raise LaunchError(f"TPU {tpu.name} is {state}: {advice}", EXIT_NOT_READY)
 
 
-def run(
-    tpu: Tpu,
-    spec: SliceSpec,
-    train_args: Sequence[str],
-    runner: Runner,
-    *,
-    until_done: bool,
-    polling: Polling,
-    libtpu_flags: Sequence[str] | None,
-) -> None:
-    """Records `train_args` and starts training on a READY TPU; `until_done` then watches it
-    (`watch`, which recreates a preempted slice with `polling` and `libtpu_flags`)."""
-    require_ready(tpu, spec.queued, runner)
-    save_record(tpu, runner, train_args=list(train_args))
-    spec = with_accelerator_type(tpu, spec, runner)
-    start_training(tpu, spec.accelerator_type, train_args, runner)
+def run(job: TrainingJob, runner: Runner, *, until_done: bool) -> None:
+    """Records the job's flags and starts training on a READY TPU; `until_done` then watches it
+    (`watch`, which recreates a preempted slice)."""
+    tpu = job.tpu
+    require_ready(tpu, job.spec.queued, runner)
+    save_record(tpu, runner, train_args=list(job.train_args))
+    job = replace(job, spec=with_accelerator_type(tpu, job.spec, runner))
+    start_training(tpu, job.spec.accelerator_type, job.train_args, runner)
     if until_done and not runner.dry_run:
-        watch(tpu, spec, train_args, runner, polling=polling, libtpu_flags=libtpu_flags)
+        watch(job, runner)
 
 
-def recreate(
-    tpu: Tpu,
-    spec: SliceSpec,
-    train_args: Sequence[str],
-    runner: Runner,
-    *,
-    state: str | None,
-    polling: Polling,
-    libtpu_flags: Sequence[str] | None,
-) -> None:
+def recreate(job: TrainingJob, runner: Runner, *, state: str | None) -> None:
     """Deletes the preempted slice (unless it is gone), creates it again and sets it up."""
+    tpu, spec = job.tpu, job.spec
     if state != "NOT_FOUND":
         runner.run(delete_command(tpu, spec.queued))
-    create(tpu, spec, train_args, runner, polling=polling, wait=True)  # `setup` needs it ACTIVE
-    setup(tpu, spec.accelerator_type, libtpu_flags, runner)
+    # `setup` needs the slice ACTIVE.
+    create(tpu, spec, job.train_args, runner, polling=job.polling, wait=True)
+    setup(tpu, spec.accelerator_type, job.libtpu_flags, runner)
 
 
-def resume(
-    tpu: Tpu,
-    spec: SliceSpec,
-    train_args: Sequence[str],
-    runner: Runner,
-    *,
-    polling: Polling,
-    libtpu_flags: Sequence[str] | None,
-) -> None:
+def resume(job: TrainingJob, runner: Runner) -> None:
     """Brings the recorded run back: restarts it, or recreates a preempted slice first."""
-    if not train_args:
+    tpu = job.tpu
+    if not job.train_args:
         raise LaunchError(f"no recorded run for {tpu.name}: give the training flags after --", 2)
-    spec = with_accelerator_type(tpu, spec, runner)
-    state = slice_state(tpu, spec.queued, runner)
+    job = replace(job, spec=with_accelerator_type(tpu, job.spec, runner))
+    state = slice_state(tpu, job.spec.queued, runner)
     if state == READY:
         training = training_state(tpu, runner)
         if training and training.state == "running":
@@ -342,34 +320,26 @@ def resume(
             return
     elif state is None or state in RECREATE_STATES:
         print(f"TPU {tpu.name} is {state or 'PREEMPTED (dry run)'}: recreating it", flush=True)
-        recreate(
-            tpu, spec, train_args, runner, state=state, polling=polling, libtpu_flags=libtpu_flags
-        )
+        recreate(job, runner, state=state)
     else:
         raise LaunchError(f"TPU {tpu.name} is {state}: try again when it is READY", EXIT_NOT_READY)
-    save_record(tpu, runner, train_args=list(train_args))
-    start_training(tpu, spec.accelerator_type, train_args, runner)
+    save_record(tpu, runner, train_args=list(job.train_args))
+    start_training(tpu, job.spec.accelerator_type, job.train_args, runner)
 
 
-def watch(
-    tpu: Tpu,
-    spec: SliceSpec,
-    train_args: Sequence[str],
-    runner: Runner,
-    *,
-    polling: Polling,
-    libtpu_flags: Sequence[str] | None,
-) -> None:
+def watch(job: TrainingJob, runner: Runner) -> None:
     """`run --until_done`: polls until training finishes, resuming after preemptions.
 
     A run that ends with status 0 is done; SIGTERM from a maintenance event (status 42 without
     `stop`) or a lost trainer is restarted, a preempted slice is recreated; `stop` or any other
-    status ends the watch with that status. `spec` has the accelerator type (`run` knows it).
+    status ends the watch with that status. The job's spec has the accelerator type (`run`
+    knows it).
     """
+    tpu, polling = job.tpu, job.polling
     resumes = 0
     while True:
         time.sleep(polling.poll_seconds)
-        state = slice_state(tpu, spec.queued, runner)
+        state = slice_state(tpu, job.spec.queued, runner)
         if state in TRANSIENT_STATES:
             continue
         if state == READY:
@@ -392,16 +362,8 @@ def watch(
             raise LaunchError(f"gave up after {polling.max_resumes} resumes", EXIT_NOT_READY)
         print(f"TPU {tpu.name}: {state}; resume {resumes} of {polling.max_resumes}", flush=True)
         if state != READY:
-            recreate(
-                tpu,
-                spec,
-                train_args,
-                runner,
-                state=state,
-                polling=polling,
-                libtpu_flags=libtpu_flags,
-            )
-        start_training(tpu, spec.accelerator_type, train_args, runner)
+            recreate(job, runner, state=state)
+        start_training(tpu, job.spec.accelerator_type, job.train_args, runner)
 
 
 def logs(tpu: Tpu, worker: str, lines: int, follow: bool, runner: Runner) -> None:

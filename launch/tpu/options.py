@@ -41,6 +41,19 @@ class Polling:
 
 
 @dataclass(frozen=True)
+class TrainingJob:
+    """What `run`, `resume` and `run --until_done` work from: the TPU, the slice to make again if
+    it is preempted (`accelerator_type` known), the flags for framework.train, how to wait, and
+    the libtpu flags a remade slice is set up with (None: as the image has them)."""
+
+    tpu: Tpu
+    spec: SliceSpec
+    train_args: tuple[str, ...]
+    polling: Polling
+    libtpu_flags: tuple[str, ...] | None
+
+
+@dataclass(frozen=True)
 class Launch:
     """The whole command line, parsed and checked (the flags are in `tpu_pod.py --help`).
 
@@ -69,3 +82,8 @@ class Launch:
     def tpu(self) -> Tpu:
         """The TPU the subcommand acts on (`tpu_pod.parse_args` requires --name for it)."""
         return Tpu(self.name, self.zone, self.project)
+
+    @property
+    def job(self) -> TrainingJob:
+        """The training job the command line describes (`run`, `resume`)."""
+        return TrainingJob(self.tpu, self.spec, self.train_args, self.polling, self.libtpu_flags)
