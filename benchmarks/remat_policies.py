@@ -40,6 +40,7 @@ from step_models import (
     build_model,
     gradient_error,
     is_budget,
+    is_names,
     label,
     median_step_times,
     model_spec,
@@ -319,7 +320,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"from {MODELS}")
     parser.add_argument(
-        "--settings", default=",".join(SETTINGS), help=f"from {SETTINGS}, or budget:F"
+        "--settings",
+        default=",".join(SETTINGS),
+        help=f"from {SETTINGS}, or budget:F, or names:TAG/TAG (save_only_these_names)",
     )
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5, quick 2)")
     parser.add_argument("--out", help="also write the report (markdown) to this file")
@@ -355,7 +358,7 @@ def main() -> None:
 
     model_names, settings = args.models.split(","), args.settings.split(",")
     for name, known in [(m, MODELS) for m in model_names] + [(s, SETTINGS) for s in settings]:
-        if name not in known and not (known is SETTINGS and is_budget(name)):
+        if name not in known and not (known is SETTINGS and (is_budget(name) or is_names(name))):
             parser.error(f"unknown {name!r}; choose from {known}")
     for setting in filter(is_budget, settings):
         try:

@@ -163,6 +163,23 @@ def is_budget(setting: str) -> bool:
     return setting.startswith(remat.policies.BUDGET_PREFIX)
 
 
+NAMES_PREFIX = "names:"
+
+
+def is_names(setting: str) -> bool:
+    """`names:a/b/...`: `save_only_these_names` for the `checkpoint_name` tags given (the
+    framework's transformer blocks tag qkv_proj, attn_out, mlp_in and mlp_out)."""
+    return setting.startswith(NAMES_PREFIX)
+
+
+def policy_of(setting: str) -> remat.policies.Policy | str:
+    """What `set_grad_checkpointing` gets for a policy setting (a name, `budget:F`, `names:...`)."""
+    if is_names(setting):
+        names = setting.removeprefix(NAMES_PREFIX).split("/")
+        return remat.policies.save_only_these_names(*names)
+    return setting
+
+
 def label(setting: str) -> str:
     return SETTING_LABELS.get(setting) or f"`{setting}`"
 
@@ -175,8 +192,8 @@ def build_model(spec: ModelSpec, setting: str) -> Any:
         with keras.RematScope(mode=setting.removeprefix("rematscope_")):
             return spec.build()
     model = spec.build()
-    if setting in POLICIES or is_budget(setting):
-        remat.set_grad_checkpointing(model, policy=setting)
+    if setting in POLICIES or is_budget(setting) or is_names(setting):
+        remat.set_grad_checkpointing(model, policy=policy_of(setting))
     elif setting == "recompute_grad":
         _recompute_grad_blocks(model)
     elif setting != "none":
