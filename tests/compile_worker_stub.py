@@ -1,4 +1,4 @@
-"""A compile worker that speaks `framework.planner.measurement`'s protocol without TensorFlow,
+"""A compile worker that speaks `framework.planner.child`'s compile protocol without TensorFlow,
 for testing the planner's worker pool on real processes: `python compile_worker_stub.py SPEC`.
 
 `spec["stub"]` scripts it: "plans" {policy: [bytes, flops]}, and the policies on which it

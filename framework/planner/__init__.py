@@ -3,11 +3,12 @@ pick the fastest setting whose peak memory fits a budget.
 
 It sits beside the binaries, not in `framework.memory`, because it builds the gin-configured
 `Trainer` (library code imports neither the trainer nor gin). Its figures come from child
-processes (`measurement.py`, started by `workers.py`): compile workers that read XLA's plan of
-one combination after another, in the order `schedule.py` hands them out, and a fresh process
-for each combination that runs, since allocator statistics and XLA's state belong to a process
-and one setting's leftovers must not count against the next; `spec.py` holds what they are sent.
-`sweep.py` puts them together.
+processes (`child.py`, started by `workers.py`): compile workers (`compile_worker.py`) that read
+XLA's plan of one combination after another, in the order `schedule.py` hands them out, and a
+fresh process for each combination that runs (`run_child.py`), since allocator statistics and
+XLA's state belong to a process and one setting's leftovers must not count against the next;
+`spec.py` holds what they are sent, `measurement.py` what they report. `sweep.py` puts them
+together.
 """
 
 from framework.planner.choose import Plan, choose

@@ -1,4 +1,4 @@
-"""What the planner hands its child processes (`measurement.py`): how to measure, the trainer's
+"""What the planner hands its child processes (`child.py`): how to measure, the trainer's
 configuration, and the combinations to measure, as records that cross the process boundary as
 JSON (the spec on the command line, a compile worker's jobs one line each on stdin).
 """

@@ -43,7 +43,7 @@ def _env(spec: WorkerSpec) -> dict[str, str]:
 
 
 def _command(spec: WorkerSpec) -> list[str]:
-    return [sys.executable, "-m", "framework.planner.measurement", json.dumps(spec.to_json())]
+    return [sys.executable, "-m", "framework.planner.child", json.dumps(spec.to_json())]
 
 
 def failure_message(returncode: int, stderr: str) -> str:
@@ -57,7 +57,7 @@ def failure_message(returncode: int, stderr: str) -> str:
 
 
 def run_child(spec: WorkerSpec, timeout: float) -> tuple[list[Measurement], str | None]:
-    """Runs `framework.planner.measurement` on `spec` in a fresh process: its results (one JSON
+    """Runs `framework.planner.child` on `spec` in a fresh process: its results (one JSON
     line each), and what went wrong when it did not end well."""
     try:
         proc = subprocess.run(

@@ -10,8 +10,9 @@ import pytest
 
 from framework import planner
 from framework.planner import Measurement
-from framework.planner.measurement import COMPILE, CONFIG_STAGE, SKIPPED_STAGE
+from framework.planner.measurement import CONFIG_STAGE, SKIPPED_STAGE
 from framework.planner.schedule import CompileSchedule
+from framework.planner.spec import Measure
 
 POLICIES = [
     "none",
@@ -30,7 +31,7 @@ def compiled(policy: str, batch_size: int, num_bytes: int, flops: float) -> Meas
         state_bytes=0,
         step_flops=flops,
         peak_flops=1e9,
-        measure=COMPILE,
+        measure=Measure.COMPILE,
     )
 
 
