@@ -127,8 +127,9 @@ class SegmentedGraph:
 
     def __init__(self, model: keras.Model, found: list[Segment], policy: str | Policy):
         self.segments = found
+        resolved = get_policy(policy)
         for segment in found:
-            segment.policy = get_policy(policy)
+            segment.policy = resolved
         self.graph = tf_internals.functional_graph(model)
         starts = {id(s.nodes[0]): s for s in found}
         members = {id(node) for s in found for node in s.nodes}

@@ -83,7 +83,9 @@ def _kept_activations(call: Callable, inputs) -> int:
     return sum(r.bytes for r in rows if r.kind == "activation")
 
 
-def summary(model: keras.Layer, inputs=None, print_fn: Callable[[str], None] | None = print):
+def summary(
+    model: keras.Layer, inputs=None, print_fn: Callable[[str], None] | None = print
+) -> RematSummary:
     """Says which regions of `model` are checkpointed and with which policy, and - given a batch
     of `inputs` (what `model(inputs, training=True)` takes) - the activations its backward pass
     keeps with remat and without (graph level: see `saved_residuals`).
