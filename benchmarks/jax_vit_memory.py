@@ -10,6 +10,11 @@ its forward and backward pass - nothing runs - with jax's CPU backend (XLA:CPU) 
     python benchmarks/jax_vit_memory.py                       # batch 64, XLA:CPU and TPU v5e
     python benchmarks/jax_vit_memory.py --target= --batch=8   # XLA:CPU only
     python benchmarks/jax_vit_memory.py --quick               # a 2-block, 64 px smoke test
+    python benchmarks/jax_vit_memory.py --target= --batch=8 --steps=5  # and time SGD steps
+
+With `--steps`, each policy's train step (forward, backward and an SGD update, one jitted
+program, the weights donated) also runs on the CPU: one call to compile and warm up, then the
+median of `--steps` calls, each with fresh dropout bits.
 
 Needs the `tpu` extra (jax, jaxlib, libtpu; in the test extra too). Every figure is a compiler's
 plan: "step" is the program's arguments (weights, batch) + outputs (gradients) + temporaries (+
@@ -174,18 +179,48 @@ def compile_step(cfg: dict[str, int], policy: str, batch: int, device: Any) -> d
     }
 
 
+def median_step_seconds(cfg: dict[str, int], policy: str, batch: int, steps: int) -> float:
+    """The median time of `steps` SGD steps on the CPU, after one that compiles and warms up."""
+    loss = make_loss(cfg, policy)
+
+    def sgd(params: dict, images: jax.Array, labels: jax.Array, key: jax.Array) -> dict:
+        grads = jax.grad(loss)(params, images, labels, key)
+        return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads)
+
+    step = jax.jit(sgd, donate_argnums=0)
+    keys = jax.random.split(jax.random.key(1), steps + 3)
+    params = init_params(cfg, keys[0])
+    images = jax.random.normal(keys[1], (batch, cfg["image"], cfg["image"], 3))
+    labels = jax.random.randint(keys[2], (batch,), 0, cfg["classes"])
+    params = jax.block_until_ready(step(params, images, labels, keys[3]))
+    times = []
+    for key in keys[3:]:
+        started = time.perf_counter()
+        params = jax.block_until_ready(step(params, images, labels, key))
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
 def format_table(cfg: dict[str, int], batch: int, columns: dict[str, list[dict]]) -> str:
     mib = 2**20
     header = "| policy | " + " | ".join(
         f"{name} step MiB | {name} temp MiB | {name} FLOPs / none" for name in columns
     )
     rows = [header + " |", "|---" * (1 + 3 * len(columns)) + "|"]
+    timed = "seconds_per_step" in next(iter(columns.values()))[0]
+    if timed:
+        rows[0] += " CPU step s | time / none |"
+        rows[1] += "---|---|"
     for i, policy in enumerate(r["policy"] for r in next(iter(columns.values()))):
         cells = [f"`{policy}`" if policy != "none" else "no remat"]
         for results in columns.values():
             r, base = results[i], results[0]
             ratio = f"{r['flops'] / base['flops']:.2f}" if r["flops"] and base["flops"] else "-"
             cells += [f"{r['step'] / mib:.1f}", f"{r['temp'] / mib:.1f}", ratio]
+        if timed:
+            r, base = columns["XLA:CPU"][i], columns["XLA:CPU"][0]
+            seconds = r["seconds_per_step"]
+            cells += [f"{seconds:.2f}", f"{seconds / base['seconds_per_step']:.2f}"]
         rows.append("| " + " | ".join(cells) + " |")
     params = sum(x.size for x in jax.tree.leaves(param_shapes(cfg)))
     title = (
@@ -203,6 +238,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--target", default="v5e", help="also compile for this TPU chip (default v5e; '' for none)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=0, help="also time this many SGD steps on the CPU (median)"
     )
     parser.add_argument("--quick", action="store_true", help="a 2-block, 64 px ViT")
     parser.add_argument("--out", help="also write the report (markdown) to this file")
@@ -223,6 +261,10 @@ def main() -> None:
         columns[name] = []
         for policy in policies:
             result = compile_step(cfg, policy, args.batch, device)
+            if args.steps and name == "XLA:CPU":
+                result["seconds_per_step"] = median_step_seconds(
+                    cfg, policy, args.batch, args.steps
+                )
             print(f"{name} {policy}: step {result['step'] / 2**20:.1f} MiB, temp "
                   f"{result['temp'] / 2**20:.1f} MiB, compiled in {result['seconds']:.0f} s",
                   flush=True)  # fmt: skip
@@ -235,8 +277,9 @@ def main() -> None:
         f"Command: `{command.strip()}`",
         f"Date: {datetime.datetime.now():%Y-%m-%d %H:%M}, took "
         f"{(time.time() - started) / 60:.1f} min; {os.cpu_count()} CPUs, {versions}",
-        "Nothing runs: each step is compiled by jax's CPU backend and by libtpu's compile-only "
-        "client. `jax.checkpoint(block, policy=...)` around each of the blocks; dropout bits "
+        "Each step is compiled by jax's CPU backend and by libtpu's compile-only client; with "
+        "`--steps`, the CPU's SGD step is also timed (median). `jax.checkpoint(block, "
+        "policy=...)` around each of the blocks; dropout bits "
         f"from jax's default generator ({jax.config.jax_default_prng_impl}).",
         "",
         format_table(cfg, args.batch, columns),

@@ -28,6 +28,11 @@ freed tensors leave the resident set at once and the high-water marks count live
 Needs PyTorch and timm (not dependencies of the framework; nothing is downloaded):
 
     python benchmarks/pytorch_vit_memory.py --out=benchmarks/results/pytorch_vit_memory.md
+    python benchmarks/pytorch_vit_memory.py --batch=8 --optimizer=sgd --steps=5  # and time
+
+With `--steps`, that many more steady steps are timed after the two above (median), to set
+beside the other systems' step times (`--optimizer=sgd`: the update the other benchmarks' timed
+steps apply).
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ def _reset_peak_rss() -> None:
         clear_refs.write("5")
 
 
-def _child(setting: str, batch: int, dropout: float) -> dict:
+def _child(setting: str, batch: int, dropout: float, optimizer_name: str, steps: int) -> dict:
     """One step of one setting, in this (fresh) process."""
     import timm
     import torch
@@ -76,7 +81,10 @@ def _child(setting: str, batch: int, dropout: float) -> dict:
     if setting == "checkpointing":
         model.set_grad_checkpointing(True)
     parameters = {p.data_ptr() for p in model.parameters()}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if optimizer_name == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     images = torch.randn(batch, 3, 224, 224)
     labels = torch.randint(0, 1000, (batch,))
     saved: dict[int, int] = {}
@@ -101,10 +109,17 @@ def _child(setting: str, batch: int, dropout: float) -> dict:
     first_peak = _peak_rss_bytes()
     _reset_peak_rss()
     step()
+    steady_peak = _peak_rss_bytes()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
     return {
         "setting": setting,
         "peak_rss_bytes": first_peak - before,
-        "steady_peak_rss_bytes": _peak_rss_bytes() - before,
+        "steady_peak_rss_bytes": steady_peak - before,
+        "median_step_seconds": sorted(times)[len(times) // 2] if times else None,
         "saved_bytes": sum(saved.values()),
         "step_seconds": seconds,
         "loss": float(loss),
@@ -113,11 +128,16 @@ def _child(setting: str, batch: int, dropout: float) -> dict:
     }
 
 
-def measure(setting: str, batch: int, dropout: float) -> dict:
-    command = [sys.executable, __file__, f"--child={setting}", f"--batch={batch}"]
+def measure(args: argparse.Namespace, setting: str) -> dict:
+    command = [sys.executable, __file__, f"--child={setting}", f"--batch={args.batch}"]
+    command += [f"--optimizer={args.optimizer}", f"--steps={args.steps}"]
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     proc = subprocess.run(
-        [*command, f"--dropout={dropout}"], capture_output=True, text=True, check=False, env=env
+        [*command, f"--dropout={args.dropout}"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
     )
     if proc.returncode != 0:
         raise SystemExit(f"{setting} failed:\n{proc.stderr[-3000:]}")
@@ -128,28 +148,39 @@ def report(results: list[dict], args: argparse.Namespace, minutes: float) -> str
     gib = 2**30
     base = results[0]
     lines = [
-        "Command: `python benchmarks/pytorch_vit_memory.py --out=" + (args.out or "") + "`",
+        "Command: `python benchmarks/pytorch_vit_memory.py " + " ".join(sys.argv[1:]) + "`",
         f"Date: {datetime.datetime.now():%Y-%m-%d %H:%M}, took {minutes:.1f} min, load average "
         f"(1 min) at the start {os.getloadavg()[0]:.1f}",
         f"Machine: {os.cpu_count()} CPUs, Python {platform.python_version()}, PyTorch "
         f"{base['torch']}, timm {base['timm']}",
         f"Model: timm vit_base_patch16_224, batch {args.batch}, 224 px, 1000 classes, dropout "
-        f"{args.dropout}, float32, AdamW; each setting in a fresh process.",
+        f"{args.dropout}, float32, {'SGD' if args.optimizer == 'sgd' else 'AdamW'}; each "
+        "setting in a fresh process.",
         "",
         "| setting | peak RSS, first step (GiB) | peak RSS, steady step (GiB) | saved for "
-        "backward (GiB) | memory ratio (steady peak) | first step s |",
-        "|---|---|---|---|---|---|",
+        "backward (GiB) | memory ratio (steady peak) | memory ratio (saved) | first step s "
+        "| step s (median) | time ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         ratio = r["steady_peak_rss_bytes"] / base["steady_peak_rss_bytes"]
+        timed = r["median_step_seconds"] is not None
         lines.append(
             f"| {r['setting']} | {r['peak_rss_bytes'] / gib:.2f} "
             f"| {r['steady_peak_rss_bytes'] / gib:.2f} | {r['saved_bytes'] / gib:.2f} "
-            f"| {ratio:.2f} | {r['step_seconds']:.1f} |"
+            f"| {ratio:.2f} | {r['saved_bytes'] / base['saved_bytes']:.2f} "
+            f"| {r['step_seconds']:.1f} "
+            + (
+                f"| {r['median_step_seconds']:.2f} "
+                f"| {r['median_step_seconds'] / base['median_step_seconds']:.2f} |"
+                if timed
+                else "| - | - |"
+            )
         )
     lines.append("")
     lines.append(
-        "Step times are of one step on a shared CPU, not a benchmark: the memory is the point."
+        "The first step's time is one step; with `--steps`, the median is of that many steady "
+        "steps, each setting in its own process one after the other."
     )
     return "\n".join(lines) + "\n"
 
@@ -158,14 +189,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    parser.add_argument("--steps", type=int, default=0, help="also time this many steady steps")
     parser.add_argument("--out", help="write the report (markdown) here too")
     parser.add_argument("--child", choices=SETTINGS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(_child(args.child, args.batch, args.dropout)))
+        print(json.dumps(_child(args.child, args.batch, args.dropout, args.optimizer, args.steps)))
         return
     start = time.perf_counter()
-    results = [measure(setting, args.batch, args.dropout) for setting in SETTINGS]
+    results = [measure(args, setting) for setting in SETTINGS]
     text = report(results, args, (time.perf_counter() - start) / 60)
     print(text)
     if args.out:
