@@ -32,7 +32,7 @@ from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.protobuf import trackable_object_graph_pb2 as trackable_object_graph_pb2
 from tensorflow.python.eager import context, record
 from tensorflow.python.framework import op_callbacks
-from tensorflow.python.ops import control_flow_v2_func_graphs
+from tensorflow.python.ops import control_flow_v2_func_graphs, resource_variable_ops
 from tensorflow.python.training.py_checkpoint_reader import CheckpointReader as CheckpointReader
 from tensorflow.tsl.profiler.protobuf import xplane_pb2 as xplane_pb2
 
@@ -87,6 +87,31 @@ def remove_op_callback(callback: OpCallback) -> None:
 def stop_recording() -> contextlib.AbstractContextManager:
     """Pauses every gradient tape of this thread."""
     return record.stop_recording()
+
+
+def record_gradient(
+    name: str, outputs: list[tf.Tensor], inputs: list[tf.Tensor], gradient: Callable
+) -> None:
+    """Records an op on every active gradient tape: `outputs` computed from `inputs`, with
+    `gradient(*output_gradients)` returning one gradient (or None) per input. An input may be a
+    variable's handle: its gradient is the variable's."""
+    record.record_operation(name, outputs, inputs, gradient)
+
+
+def mark_read(variable: tf.Variable) -> None:
+    """Tells tapes that watch the variables a step reads that it read `variable` (as a read op
+    would, when the read itself ran with the tapes paused)."""
+    resource_variable_ops.variable_accessed(variable)
+
+
+@contextlib.contextmanager
+def watching_variables() -> Iterator[list[tf.Variable]]:
+    """Yields a list that, once the block ends, holds the trainable variables read inside it
+    (traced reads included), in creation order."""
+    read: list[tf.Variable] = []
+    with record.VariableWatcher() as watcher:
+        yield read
+    read.extend(watcher.watched_variables())
 
 
 def tape_is_active() -> bool:

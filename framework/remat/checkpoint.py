@@ -15,15 +15,14 @@ How a call works (see docs/remat.md, "How it works"):
 
 The recomputation starts from the inputs plus a zero derived from the upstream gradient (as in
 `tf.recompute_grad`): a data dependency, which XLA cannot ignore, so it cannot hoist the
-recomputation into the forward pass or merge it with the original computation. In eager mode
-the whole call is traced into a `tf.function` first (op callbacks can only replace outputs while
-a graph is built).
+recomputation into the forward pass or merge it with the original computation. An eager call
+runs the same traced forward pass, and its gradient is an op of the eager tape
+(`eager.EagerRegion`); the gradient function itself is `backward.recompute_gradients`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 from collections.abc import Callable
 
@@ -32,14 +31,15 @@ import numpy as np
 import tensorflow as tf
 
 from framework.core import tf_internals
-from framework.core.errors import UnreplayableRandomOpError
+from framework.remat.backward import RegionCall, check_replayable, recompute_gradients
 from framework.remat.call_structure import CallStructure
-from framework.remat.dependencies import dependency, differentiable, in_graph, tied_input
-from framework.remat.effects import Effects, find_effects
+from framework.remat.dependencies import dependency, differentiable, in_graph
+from framework.remat.eager import EagerRegion
+from framework.remat.effects import find_effects
 from framework.remat.op_callbacks import in_region
 from framework.remat.policies import Policy, everything_saveable, get_policy
 from framework.remat.replay import Region
-from framework.remat.state_order import assign_variable, read_variable
+from framework.remat.state_order import read_variable
 from framework.remat.thread_state import ThreadSetting
 
 _plain = ThreadSetting(False)
@@ -54,27 +54,6 @@ def plain_calls() -> contextlib.AbstractContextManager:
 def remat_is_on(policy: Policy) -> bool:
     """Whether a region with `policy` recomputes in this thread (see `plain_calls`)."""
     return policy is not everything_saveable and not _plain.value
-
-
-@dataclasses.dataclass(frozen=True)
-class _RegionCall:
-    """One call of a region in graph mode, as its gradient function needs it.
-
-    Attributes:
-      region: the recorded forward pass.
-      call: runs the region's code on a list of tensors (`CallStructure.tensors()`' order).
-      tensors: the call's tensor arguments.
-      closures: the differentiable tensors the traced region closes over, seen from the caller.
-      effects: the variables the region writes.
-      snapshots: their values before the call, read in the caller's graph.
-    """
-
-    region: Region
-    call: Callable[[list[tf.Tensor]], object]
-    tensors: list[tf.Tensor]
-    closures: list[tf.Tensor]
-    effects: Effects
-    snapshots: list[tf.Tensor]
 
 
 class Checkpointed:
@@ -95,9 +74,9 @@ class Checkpointed:
             self.__signature__ = inspect.signature(fn)
         except (TypeError, ValueError):
             pass
-        # Eager calls: one traced function per input signature, as `tf.function` keeps them
+        # Eager calls: one traced region per input signature, as `tf.function` keeps them
         # (a new function per call would also keep its kernels' constants alive for good).
-        self._traced: dict = {}
+        self._eager: dict = {}
 
     @tf.autograph.experimental.do_not_convert
     def __call__(self, *args, **kwargs):
@@ -122,20 +101,13 @@ class Checkpointed:
         key = arguments.eager_key(state)
         if key is not None:  # each replica of a strategy captures its own variables
             key = (key, tf_internals.current_device())
-        if key not in self._traced:
-            layouts: list[CallStructure] = []
-
-            def traced(*inputs):
-                layouts.append(CallStructure(self._region(call, list(inputs), state)))
-                return layouts[-1].tensors()
-
-            function = tf_internals.trace_function(traced, *tensors)
+        region = self._eager.get(key)
+        if region is None:
+            region = EagerRegion(self.policy, self.label, call, tensors, state)
             # Tensors the region closes over were captured by value: trace again next time.
-            if key is None or any(c.dtype != tf.resource for c in function.captured_inputs):
-                return layouts[-1].pack(function(*tensors))
-            self._traced[key] = (function, layouts[-1])
-        function, layout = self._traced[key]
-        return layout.pack(function(*tensors))
+            if key is not None and not region.captures_values:
+                self._eager[key] = region
+        return region(tensors)
 
     def _region(self, call: Callable, tensors: list[tf.Tensor], state):
         """One call of the region in graph mode: traced forward function, gradient attached.
@@ -152,14 +124,7 @@ class Checkpointed:
         function = tf_internals.trace_function(forward, *tensors)
         layout = layouts[-1]
         effects = find_effects(function.graph)
-        if effects.stateful_random_ops:
-            raise UnreplayableRandomOpError(
-                f"Remat region {self.label!r} contains stateful random ops "
-                f"({', '.join(effects.stateful_random_ops)}); their recomputation would draw "
-                "different numbers and give wrong gradients. Use stateless randomness instead: "
-                "keras.random / keras.layers.Dropout with a SeedGenerator, "
-                "tf.random.stateless_*, or tf.random.Generator."
-            )
+        check_replayable(effects, self.label)
         graph = tf.compat.v1.get_default_graph()
         # Captured eager tensors (closures, variable handles) as this graph sees them.
         closures = [in_graph(c, graph) for c in function.captured_inputs if differentiable(c)]
@@ -167,7 +132,7 @@ class Checkpointed:
             snapshots = [
                 read_variable(graph, in_graph(w.handle, graph), w.dtype) for w in effects.writes
             ]
-        region_call = _RegionCall(region, call, tensors, closures, effects, snapshots)
+        region_call = RegionCall(region, call, tensors, closures, effects, snapshots)
         n_out = len(layout.tensors())
 
         def run() -> list[tf.Tensor]:
@@ -193,7 +158,7 @@ class Checkpointed:
                     None if _unused(r) and _filled_with_zeros(g) else g for r, g in zip(results, dy)
                 ]
                 with tf_internals.keras_call_state_entered(state):
-                    grads = _backward(region_call, dy, variables)
+                    grads = recompute_gradients(region_call, dy, variables)
                 n_inputs = len(tensors) + len(closures)
                 return grads[:n_inputs], grads[n_inputs:]
 
@@ -201,57 +166,6 @@ class Checkpointed:
 
         results.extend(attach(*tensors, *closures))
         return layout.pack(results)
-
-
-def _backward(
-    forward: _RegionCall, dy: list, variables: list[tf.Variable]
-) -> list[tf.Tensor | None]:
-    """Gradients for the call's tensors, closures and `variables`, in that order, from a
-    recomputation of the region: `dy` are the upstream gradients of its results."""
-    region, effects = forward.region, forward.effects
-    graph = tf.compat.v1.get_default_graph()
-    dep = dependency(list(dy) + forward.tensors + forward.closures)
-    # Closed-over tensors and variable handles, as the region's own code sees them from here:
-    # it refers to the outermost tensor (an eager handle, say), not to a capture of a capture.
-    handles = [in_graph(tf_internals.outermost(w.handle), graph) for w in effects.writes]
-    with tf_internals.stop_recording():
-        current = [read_variable(graph, h, w.dtype) for h, w in zip(handles, effects.writes)]
-        for h, s in zip(handles, forward.snapshots):
-            assign_variable(graph, h, in_graph(s, graph))
-    inputs = [tied_input(t, dep) for t in forward.tensors]
-    # Closed-over tensors are differentiated as the region's code refers to them: the outermost
-    # tensor, seen from this graph; an eager tensor as itself (the tape then also follows the
-    # function calls that captured it directly).
-    outer = [tf_internals.outermost(c) for c in forward.closures]
-    closures = [o if not tf.is_symbolic_tensor(o) else in_graph(o, graph) for o in outer]
-    with tf.GradientTape() as tape:
-        sources = [t for t in inputs if differentiable(t)]
-        sources += closures + variables
-        tape.watch(sources)
-        with region.replaying(dep, handles):
-            results = CallStructure(forward.call(inputs))
-    tf_internals.pass_eager_captures_through_loop(graph)
-    targets, upstream = [], []
-    for t, g in zip(results.tensors(), dy):
-        if g is not None and differentiable(t):
-            targets.append(t)
-            upstream.append(g)
-    grads = iter(
-        tape.gradient(
-            targets,
-            sources,
-            output_gradients=upstream,
-            unconnected_gradients=tf.UnconnectedGradients.NONE,
-        )
-    )
-    flat = [next(grads) if differentiable(t) else None for t in inputs]
-    flat += list(grads)
-    with tf_internals.stop_recording():
-        finals = [assign_variable(graph, h, c) for h, c in zip(handles, current)]
-    if finals:
-        with tf.control_dependencies(finals):
-            flat = [None if g is None else _identity(g) for g in flat]
-    return flat
 
 
 def _unused(result: tf.Tensor) -> bool:
@@ -271,10 +185,6 @@ def _filled_with_zeros(gradient) -> bool:
         return True
     value = tf.get_static_value(op.inputs[1] if op.type == "Fill" else gradient)
     return value is not None and not np.any(value)
-
-
-def _identity(gradient):
-    return tf.nest.map_structure(tf.identity, gradient, expand_composites=True)
 
 
 def loops_over_steps(layer: keras.layers.Layer) -> bool:

@@ -1,0 +1,110 @@
+"""The gradient of one call of a checkpointed region: the region rebuilt inline under a tape
+of its own (its recorded forward pass replayed, kept values used), then differentiated.
+
+Variables the region writes are put back to their values before the call for the
+recomputation, and back to what the rest of the step left them afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import tensorflow as tf
+
+from framework.core import tf_internals
+from framework.core.errors import UnreplayableRandomOpError
+from framework.remat.call_structure import CallStructure
+from framework.remat.dependencies import dependency, differentiable, in_graph, tied_input
+from framework.remat.effects import Effects
+from framework.remat.replay import Region
+from framework.remat.state_order import assign_variable, read_variable
+
+
+def check_replayable(effects: Effects, label: str) -> None:
+    """Raises when the region draws from stateful random ops, which a recomputation cannot
+    draw again."""
+    if effects.stateful_random_ops:
+        raise UnreplayableRandomOpError(
+            f"Remat region {label!r} contains stateful random ops "
+            f"({', '.join(effects.stateful_random_ops)}); their recomputation would draw "
+            "different numbers and give wrong gradients. Use stateless randomness instead: "
+            "keras.random / keras.layers.Dropout with a SeedGenerator, "
+            "tf.random.stateless_*, or tf.random.Generator."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionCall:
+    """One call of a region, as its gradient function needs it.
+
+    Attributes:
+      region: the recorded forward pass.
+      call: runs the region's code on a list of tensors (`CallStructure.tensors()`' order).
+      tensors: the call's tensor arguments.
+      closures: the differentiable tensors the traced region closes over, seen from the caller.
+      effects: the variables the region writes.
+      snapshots: their values before the call, read in the caller's graph.
+    """
+
+    region: Region
+    call: Callable[[list[tf.Tensor]], object]
+    tensors: list[tf.Tensor]
+    closures: list[tf.Tensor]
+    effects: Effects
+    snapshots: list[tf.Tensor]
+
+
+def recompute_gradients(
+    forward: RegionCall, dy: list, variables: list[tf.Variable]
+) -> list[tf.Tensor | None]:
+    """Gradients for the call's tensors, closures and `variables`, in that order, from a
+    recomputation of the region: `dy` are the upstream gradients of its results."""
+    region, effects = forward.region, forward.effects
+    graph = tf.compat.v1.get_default_graph()
+    dep = dependency(list(dy) + forward.tensors + forward.closures)
+    # Closed-over tensors and variable handles, as the region's own code sees them from here:
+    # it refers to the outermost tensor (an eager handle, say), not to a capture of a capture.
+    handles = [in_graph(tf_internals.outermost(w.handle), graph) for w in effects.writes]
+    with tf_internals.stop_recording():
+        current = [read_variable(graph, h, w.dtype) for h, w in zip(handles, effects.writes)]
+        for h, s in zip(handles, forward.snapshots):
+            assign_variable(graph, h, in_graph(s, graph))
+    inputs = [tied_input(t, dep) for t in forward.tensors]
+    # Closed-over tensors are differentiated as the region's code refers to them: the outermost
+    # tensor, seen from this graph; an eager tensor as itself (the tape then also follows the
+    # function calls that captured it directly).
+    outer = [tf_internals.outermost(c) for c in forward.closures]
+    closures = [o if not tf.is_symbolic_tensor(o) else in_graph(o, graph) for o in outer]
+    with tf.GradientTape() as tape:
+        sources = [t for t in inputs if differentiable(t)]
+        sources += closures + variables
+        tape.watch(sources)
+        with region.replaying(dep, handles):
+            results = CallStructure(forward.call(inputs))
+    tf_internals.pass_eager_captures_through_loop(graph)
+    targets, upstream = [], []
+    for t, g in zip(results.tensors(), dy):
+        if g is not None and differentiable(t):
+            targets.append(t)
+            upstream.append(g)
+    grads = iter(
+        tape.gradient(
+            targets,
+            sources,
+            output_gradients=upstream,
+            unconnected_gradients=tf.UnconnectedGradients.NONE,
+        )
+    )
+    flat = [next(grads) if differentiable(t) else None for t in inputs]
+    flat += list(grads)
+    with tf_internals.stop_recording():
+        finals = [assign_variable(graph, h, c) for h, c in zip(handles, current)]
+    if finals:
+        with tf.control_dependencies(finals):
+            flat = [None if g is None else _identity(g) for g in flat]
+    return flat
+
+
+def _identity(gradient):
+    return tf.nest.map_structure(tf.identity, gradient, expand_composites=True)

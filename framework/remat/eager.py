@@ -1,0 +1,163 @@
+"""A checkpointed region called eagerly: its forward pass traced once, its gradient an op of the
+eager tape with a backward pass traced once per set of results the step uses.
+
+Op callbacks can replace outputs only while a graph is built, so the region's forward pass is a
+traced function (recorded by `replay.Region`; its extra outputs are the values the policy
+keeps), run with the tapes paused. What the tapes see instead is one op from the call's tensors,
+the tensors the region closes over and the trainable variables it reads to its results.
+
+Each result reaches the caller through a gate whose gradient marks it as used. The tape fills in
+zeros for the gradient of a result nothing uses before any gradient function sees it; by the
+time the region's gradient runs, the gates of the used results have run, so it differentiates
+the used results alone and inputs and variables that reach only unused results get None, as
+they do without remat (and in graph mode, where the unused results are read off the graph).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tensorflow as tf
+
+from framework.core import tf_internals
+from framework.remat.backward import RegionCall, check_replayable, recompute_gradients
+from framework.remat.call_structure import CallStructure
+from framework.remat.dependencies import dependency, differentiable
+from framework.remat.effects import find_effects
+from framework.remat.policies import Policy
+from framework.remat.replay import Region
+
+
+class EagerRegion:
+    """One traced forward pass of a region, called eagerly as often as its inputs match.
+
+    Attributes:
+      layout: the structure of the region's results.
+      captures_values: whether the traced pass closed over tensors (by value), in which case it
+        must not be reused for a later call.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        label: str,
+        call: Callable[[list[tf.Tensor]], object],
+        tensors: list[tf.Tensor],
+        state: tf_internals.KerasCallState,
+    ):
+        self._region = Region(policy, label)
+        self._call = call
+        self._state = state
+        layouts: list[CallStructure] = []
+
+        def forward(*inputs):
+            with self._region.recording(dependency(list(inputs))):
+                layouts.append(CallStructure(call(list(inputs))))
+            return layouts[-1].tensors() + self._region.saved()
+
+        with tf_internals.watching_variables() as read:
+            self._forward = tf_internals.trace_function(forward, *tensors)
+        self.layout = layouts[-1]
+        self._variables = [v for v in read if v.trainable]
+        self._effects = find_effects(self._forward.graph)
+        check_replayable(self._effects, label)
+        captured = self._forward.captured_inputs
+        self._closures = [c for c in captured if differentiable(c)]
+        self.captures_values = any(c.dtype != tf.resource for c in captured)
+        self._backward: dict[tuple[bool, ...], tuple[Callable, list[bool]]] = {}
+
+    def __call__(self, tensors: list[tf.Tensor]):
+        """Runs the region on `tensors`; returns its results, packed as the region returns them."""
+        n_out = len(self.layout.tensors())
+        with tf_internals.stop_recording():
+            snapshots = [
+                tf.raw_ops.ReadVariableOp(resource=tf_internals.outermost(w.handle), dtype=w.dtype)
+                for w in self._effects.writes
+            ]
+            results = self._forward(*tensors)
+        outputs, kept = list(results[:n_out]), list(results[n_out:])
+        flowing = [k for k, t in enumerate(outputs) if differentiable(t)]
+        if not flowing:
+            return self.layout.pack(outputs)
+        used = [False] * n_out
+        # Traced now: a forward-mode accumulator calls the gradient function alone (no gate
+        # runs), in a state where a trace's own tapes record nothing.
+        every = tuple(k in flowing for k in range(n_out))
+        self._backward_for(every, tensors, kept, snapshots)
+
+        def gradient(*dy):
+            mask = tuple(used) if any(used) else every
+            used[:] = [False] * n_out
+            upstream = [g for k, g in zip(flowing, dy) if mask[k]]
+            function, connected = self._backward_for(mask, tensors, kept, snapshots)
+            grads = iter(function(*tensors, *kept, *snapshots, *upstream))
+            flat = [next(grads) if has else None for has in connected]
+            # To the op's inputs: the differentiable tensors, closures and variables.
+            by_tensor, rest = flat[: len(tensors)], flat[len(tensors) :]
+            return [g for t, g in zip(tensors, by_tensor) if differentiable(t)] + rest
+
+        sources = [t for t in tensors if differentiable(t)] + self._closures
+        for variable in self._variables:
+            tf_internals.mark_read(variable)
+        tf_internals.record_gradient(
+            "RematRegion",
+            [outputs[k] for k in flowing],
+            sources + [v.handle for v in self._variables],
+            gradient,
+        )
+        for k in flowing:
+            outputs[k] = _gate(outputs[k], used, k)
+        return self.layout.pack(outputs)
+
+    def _backward_for(
+        self,
+        mask: tuple[bool, ...],
+        tensors: list[tf.Tensor],
+        kept: list[tf.Tensor],
+        snapshots: list[tf.Tensor],
+    ) -> tuple[Callable, list[bool]]:
+        """The traced backward pass for the results `mask` marks as used, and which of its
+        gradients exist (the tensors', closures' and variables', in that order)."""
+        if mask not in self._backward:
+            n_tensors, n_kept, n_snapshots = len(tensors), len(kept), len(snapshots)
+            connected: list[bool] = []
+
+            def backward(*args):
+                self._region.keep(list(args[n_tensors : n_tensors + n_kept]))
+                upstream = iter(args[n_tensors + n_kept + n_snapshots :])
+                dy = [next(upstream) if used else None for used in mask]
+                forward = RegionCall(
+                    self._region,
+                    self._call,
+                    list(args[:n_tensors]),
+                    self._closures,
+                    self._effects,
+                    list(args[n_tensors + n_kept : n_tensors + n_kept + n_snapshots]),
+                )
+                with tf_internals.keras_call_state_entered(self._state):
+                    grads = recompute_gradients(forward, dy, self._variables)
+                connected.extend(g is not None for g in grads)
+                return [g for g in grads if g is not None]
+
+            outputs = self.layout.tensors()
+            specs = [_spec(t) for t in tensors + kept + snapshots]
+            specs += [_spec(o) for o, used in zip(outputs, mask) if used]
+            self._backward[mask] = (tf_internals.trace_function(backward, *specs), connected)
+        return self._backward[mask]
+
+
+def _gate(result: tf.Tensor, used: list[bool], k: int) -> tf.Tensor:
+    """`result` as the caller gets it: the same value, whose gradient marks result `k` used."""
+    with tf_internals.stop_recording():
+        gated = tf.identity(result)
+
+    def gradient(dy):
+        used[k] = True
+        return [dy]
+
+    tf_internals.record_gradient("RematResult", [gated], [result], gradient)
+    return gated
+
+
+def _spec(t: tf.Tensor) -> tf.TensorSpec:
+    return tf.TensorSpec(t.shape, t.dtype)
