@@ -11,9 +11,10 @@ remat policy, and measures for each layout:
 - the allocator's peak of one steady step beyond what was live before it;
 - the step time, the two layouts timed in alternation, and the scanned/unrolled ratio.
 
-With `--target=v5e` (any chip `framework.memory.tpu.tpu_chip` knows) it compiles both steps for
-that TPU with libtpu's compiler instead and reports its plan only: nothing runs, so there is no
-peak or step time, and compile time is the TPU compiler's on this host.
+With `--target=v5e` (any chip `framework.memory.tpu.tpu_chip` knows, or a GPU card
+`framework.memory.gpu.gpu_card` knows) it compiles both steps for that device with its compiler
+instead and reports its plan only: nothing runs, so there is no peak or step time, and compile
+time is that compiler's on this host. `--compile_only` does the same with XLA:CPU.
 
 The default step is the program the trainer compiles (`train_step.compiled_gradients`): the
 forward and backward pass with every gradient an output; the trainer sums, clips and applies
@@ -25,6 +26,7 @@ one `[depth, ...]` buffer per block variable that exists whole before its update
 
     python benchmarks/scan_layers.py --out=benchmarks/results/scan_layers.md
     python benchmarks/scan_layers.py --target=v5e --out=benchmarks/results/scan_layers_tpu_v5e.md
+    python benchmarks/scan_layers.py --compile_only --step=sgd --batches=2,4,8
     python benchmarks/scan_layers.py --quick
 """
 
@@ -43,6 +45,7 @@ from reporting import REPO_DIR, child_json, machine, write_report
 from step_models import median_step_times
 
 from framework import memory, models, remat
+from framework.memory import targets
 from framework.models import transformer
 from framework.trainer import train_step as trainer_step
 
@@ -107,11 +110,20 @@ def _loss(step):
 
 
 def measure(
-    depth: int, policy: str, steps: int, quick: bool, step_kind: str, target: str | None = None
+    depth: int,
+    batch: int,
+    policy: str,
+    steps: int,
+    quick: bool,
+    step_kind: str,
+    target: str | None = None,
+    compile_only: bool = False,
 ) -> dict:
-    batch, size = (2, 32) if quick else (8, 224)
-    result = {"depth": depth, "policy": policy}
-    if target:
+    """One depth and batch: both layouts' plans (and, unless `target` or `compile_only`, their
+    compile and step times and allocator peaks)."""
+    size = 32 if quick else 224
+    result = {"depth": depth, "batch": batch, "policy": policy}
+    if target or compile_only:
         x = tf.TensorSpec((batch, size, size, 3), tf.float32)
         y = tf.TensorSpec((batch,), tf.int32)
         for name in ("unrolled", "scanned"):
@@ -149,15 +161,13 @@ def measure(
     return result
 
 
-def run_child(
-    depth: int, policy: str, steps: int, quick: bool, step_kind: str, target: str | None
-) -> dict:
+def run_child(depth: int, batch: int, policy: str, args: argparse.Namespace) -> dict:
     """Runs `measure` in a fresh Python process."""
-    args = [f"--child={depth}", f"--policy={policy}", f"--steps={steps}"]
-    args += [f"--step={step_kind}"] + ([f"--target={target}"] if target else [])
-    return child_json(
-        __file__, args + (["--quick"] if quick else []), {"depth": depth, "policy": policy}
-    )
+    flags = [f"--child={depth}", f"--batches={batch}", f"--policy={policy}"]
+    flags += [f"--steps={args.steps}", f"--step={args.step}"]
+    flags += [f"--target={args.target}"] if args.target else []
+    flags += [name for name in ("--quick", "--compile_only") if getattr(args, name[2:])]
+    return child_json(__file__, flags, {"depth": depth, "batch": batch, "policy": policy})
 
 
 def format_report(
@@ -166,19 +176,19 @@ def format_report(
     started: datetime.datetime,
     quick: bool,
     step_kind: str,
-    target: str | None,
+    plan_only: bool,
 ) -> str:
     mib = 2.0**20
     model = "tiny ViT (width 32)" if quick else "ViT-S/16 (width 384, 6 heads, MLP 1536)"
     compiler = next((r["compiler"] for r in results if "compiler" in r), "XLA")
-    if target:
+    if plan_only:
         how = (
-            f"Plans for {compiler}, compiled on this host (nothing runs): compile s is the TPU "
+            f"Plans for {compiler}, compiled on this host (nothing runs): compile s is that "
             "compiler's time here; temps and total (parameters, outputs and temps) from its "
             "buffer assignment."
         )
         header = (
-            "| depth | policy | compile s unrolled | compile s scanned | temp MiB unrolled "
+            "| depth | batch | policy | compile s unrolled | compile s scanned | temp MiB unrolled "
             "| temp MiB scanned | temp scanned / unrolled | total MiB unrolled "
             "| total MiB scanned | code MiB unrolled | code MiB scanned |"
         )
@@ -189,7 +199,8 @@ def format_report(
             "in alternation."
         )
         header = (
-            "| depth | policy | compile s unrolled | compile s scanned | XLA temp MiB unrolled "
+            "| depth | batch | policy | compile s unrolled | compile s scanned "
+            "| XLA temp MiB unrolled "
             "| XLA temp MiB scanned | temp scanned / unrolled | peak MiB unrolled "
             "| peak MiB scanned | step s unrolled | step time scanned / unrolled |"
         )
@@ -197,7 +208,7 @@ def format_report(
         f"Command: `{command}`",
         f"Date: {started:%Y-%m-%d %H:%M}, load average {os.getloadavg()[0]:.1f}",
         f"Machine: {machine()}",
-        f"Model: {model}, batch {2 if quick else 8}, dropout 0.1. Step `{step_kind}`: "
+        f"Model: {model}, dropout 0.1. Step `{step_kind}`: "
         f"{STEPS[step_kind]}, under `tf.function(jit_compile=True)`; remat policy as listed on "
         f"every block / loop step; each depth in a fresh process. {how}",
         "",
@@ -206,10 +217,11 @@ def format_report(
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['depth']} | `{r['policy']}` | {r['error']} |")
+            lines.append(f"| {r['depth']} | {r['batch']} | `{r['policy']}` | {r['error']} |")
             continue
         cells = [
             str(r["depth"]),
+            str(r["batch"]),
             f"`{r['policy']}`",
             f"{r['unrolled_compile_s']:.1f}",
             f"{r['scanned_compile_s']:.1f}",
@@ -218,9 +230,10 @@ def format_report(
             # A tiny step's temporaries can all sit in a TPU's on-chip memory: none in HBM.
             f"{r['scanned_temp'] / r['unrolled_temp']:.2f}" if r["unrolled_temp"] else "-",
         ]
-        if target:
+        if plan_only:
+            # XLA:CPU reports no code size: "-".
             cells += [
-                f"{r[f'{name}_{what}'] / mib:.1f}"
+                f"{r[f'{name}_{what}'] / mib:.1f}" if r[f"{name}_{what}"] else "-"
                 for what in ("total", "code")
                 for name in ("unrolled", "scanned")
             ]
@@ -248,8 +261,14 @@ def main() -> None:
         default="trainer",
         help="; ".join(f"{name}: {what}" for name, what in STEPS.items()),
     )
+    parser.add_argument("--batches", help="comma-separated batch sizes (default 8; 2 --quick)")
     parser.add_argument(
-        "--target", help="a TPU chip (v5e, v4, ...): report its compiler's plan; nothing runs"
+        "--target",
+        help="a TPU chip (v5e, v4, ...) or GPU card (a100-40gb, ...): report its compiler's "
+        "plan; nothing runs",
+    )
+    parser.add_argument(
+        "--compile_only", action="store_true", help="report XLA:CPU's plan only; nothing runs"
     )
     parser.add_argument("--out", help="also write the report (markdown) to this file")
     parser.add_argument("--quick", action="store_true", help="tiny model, depths 2 and 4")
@@ -258,15 +277,24 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    default_batch = "2" if args.quick else "8"
+    batches = [int(b) for b in (args.batches or default_batch).split(",")]
     if args.child:
-        result = measure(args.child, args.policy, args.steps, args.quick, args.step, args.target)
+        result = measure(
+            args.child,
+            batches[0],
+            args.policy,
+            args.steps,
+            args.quick,
+            args.step,
+            args.target,
+            args.compile_only,
+        )
         print(json.dumps(result))
         return
     if args.target:
-        from framework.memory import tpu
-
         try:
-            tpu.tpu_chip(args.target)  # an unknown chip fails here, not in a child
+            targets.target_device(args.target)  # an unknown device fails here, not in a child
         except ValueError as error:
             parser.error(str(error))
     default = (2, 4) if args.quick else DEPTHS
@@ -276,10 +304,12 @@ def main() -> None:
     for policy in args.policies.split(","):
         remat.get_policy(policy)  # an unknown name fails here, not in a child
         for depth in depths:
-            results.append(run_child(depth, policy, args.steps, args.quick, args.step, args.target))
-            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+            for batch in batches:
+                results.append(run_child(depth, batch, policy, args))
+                print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     command = "python " + " ".join([os.path.relpath(__file__, REPO_DIR), *sys.argv[1:]])
-    report = format_report(results, command, started, args.quick, args.step, args.target)
+    plan_only = bool(args.target or args.compile_only)
+    report = format_report(results, command, started, args.quick, args.step, plan_only)
     write_report(report, args.out)
 
 

@@ -227,8 +227,30 @@ def test_scan_layers_quick(tmp_path):
     assert len(rows) == 1, report
     for row in rows:
         cells = [cell.strip() for cell in row.strip("|").split("|")]
-        # depth, policy, compile s (2), XLA temp (2) and ratio, peak (2), step s, ratio.
-        assert all(float(c) >= 0 for c in cells[2:]), row
+        # depth, batch, policy, compile s (2), XLA temp (2) and ratio, peak (2), step s, ratio.
+        assert cells[1] == "2" and all(float(c) >= 0 for c in cells[3:]), row
+
+
+def test_scan_layers_plans_every_batch_quick(tmp_path):
+    out = tmp_path / "scan_layers_plans.md"
+    run_benchmark(
+        "scan_layers.py",
+        "--quick",
+        f"--out={out}",
+        "--depths=2",
+        "--batches=1,2",
+        "--compile_only",
+        "--step=sgd",
+    )
+    report = out.read_text()
+    assert "Plans for XLA:CPU" in report and "Step `sgd`" in report, report
+    rows = [line for line in report.splitlines() if line.startswith("| 2 ")]
+    cells = [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+    assert [c[1] for c in cells] == ["1", "2"], report
+    # depth, batch, policy, compile s (2), temps (2) and their ratio, totals (2); XLA:CPU
+    # reports no code size.
+    assert all(float(c) > 0 for row in cells for c in row[7:10]), report
+    assert all(row[10:] == ["-", "-"] for row in cells), report
 
 
 def test_scan_layers_planned_for_a_tpu_quick(tmp_path):
@@ -239,11 +261,11 @@ def test_scan_layers_planned_for_a_tpu_quick(tmp_path):
     rows = [line for line in report.splitlines() if line.startswith("| 2 ")]
     assert len(rows) == 1, report
     cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
-    # depth, policy, compile s (2), temps (2) and their ratio, totals (2), code (2): a plan, no
-    # step time. The tiny model's temporaries fit in the chip's on-chip memory, so its HBM
-    # temps may be 0.
-    assert len(cells) == 11, rows[0]
-    compile_s, temps, totals_and_code = cells[2:4], cells[4:6], cells[7:11]
+    # depth, batch, policy, compile s (2), temps (2) and their ratio, totals (2), code (2): a
+    # plan, no step time. The tiny model's temporaries fit in the chip's on-chip memory, so its
+    # HBM temps may be 0.
+    assert len(cells) == 12, rows[0]
+    compile_s, temps, totals_and_code = cells[3:5], cells[5:7], cells[8:12]
     assert all(float(c) > 0 for c in compile_s + totals_and_code), rows[0]
     assert all(float(c) >= 0 for c in temps), rows[0]
 
