@@ -117,8 +117,9 @@ def block(p: dict, x: jax.Array, key: jax.Array, heads: int, rate: float) -> jax
     return x + dropout(hidden @ p["fc2"] + p["fc2_bias"], k4, rate)
 
 
-def make_loss(cfg: dict[str, int], policy: str, rate: float = 0.1) -> Callable:
-    """Softmax cross-entropy of the ViT: (params, images, labels, key) -> loss."""
+def make_loss(cfg: dict[str, int], policy: str, rate: float = 0.1, scan: bool = False) -> Callable:
+    """Softmax cross-entropy of the ViT: (params, images, labels, key) -> loss. With `scan`, the
+    blocks run in `jax.lax.scan` over the stacked weights (as JAX users write deep models)."""
     body = lambda p, x, key: block(p, x, key, cfg["heads"], rate)  # noqa: E731
     if policy != "none":
         body = jax.checkpoint(body, policy=POLICIES[policy])
@@ -130,7 +131,11 @@ def make_loss(cfg: dict[str, int], policy: str, rate: float = 0.1) -> Callable:
         cls = jnp.broadcast_to(params["cls"], (b, 1, x.shape[-1]))
         keys = jax.random.split(key, cfg["depth"] + 1)
         x = dropout(jnp.concatenate([cls, x], axis=1) + params["pos"], keys[0], rate)
-        for i in range(cfg["depth"]):  # unrolled, as the TensorFlow model is
+        if scan:
+            x, _ = jax.lax.scan(
+                lambda h, p: (body(p[0], h, p[1]), None), x, (params["blocks"], keys[1:])
+            )
+        for i in range(0 if scan else cfg["depth"]):  # unrolled, as the TensorFlow model is
             layer = jax.tree.map(lambda t, i=i: t[i], params["blocks"])
             x = body(layer, x, keys[i + 1])
         x = layer_norm(x[:, 0], params["ln_scale"], params["ln_bias"])
@@ -141,7 +146,9 @@ def make_loss(cfg: dict[str, int], policy: str, rate: float = 0.1) -> Callable:
     return loss_fn
 
 
-def compile_step(cfg: dict[str, int], policy: str, batch: int, device: Any) -> dict[str, Any]:
+def compile_step(
+    cfg: dict[str, int], policy: str, batch: int, device: Any, scan: bool = False
+) -> dict[str, Any]:
     """The step compiled for `device` (a CPU or a compile-only TPU device): its memory stats."""
     sharding = jax.sharding.SingleDeviceSharding(device)
     params = param_shapes(cfg)
@@ -158,7 +165,7 @@ def compile_step(cfg: dict[str, int], policy: str, batch: int, device: Any) -> d
     )
     adamw_state = 2 * sum(t.size * t.dtype.itemsize for t in jax.tree.leaves(params))
     started = time.perf_counter()
-    compiled = jax.jit(jax.grad(make_loss(cfg, policy))).lower(*args).compile()
+    compiled = jax.jit(jax.grad(make_loss(cfg, policy, scan=scan))).lower(*args).compile()
     stats = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -179,9 +186,11 @@ def compile_step(cfg: dict[str, int], policy: str, batch: int, device: Any) -> d
     }
 
 
-def median_step_seconds(cfg: dict[str, int], policy: str, batch: int, steps: int) -> float:
+def median_step_seconds(
+    cfg: dict[str, int], policy: str, batch: int, steps: int, scan: bool = False
+) -> float:
     """The median time of `steps` SGD steps on the CPU, after one that compiles and warms up."""
-    loss = make_loss(cfg, policy)
+    loss = make_loss(cfg, policy, scan=scan)
 
     def sgd(params: dict, images: jax.Array, labels: jax.Array, key: jax.Array) -> dict:
         grads = jax.grad(loss)(params, images, labels, key)
@@ -242,6 +251,9 @@ def main() -> None:
     parser.add_argument(
         "--steps", type=int, default=0, help="also time this many SGD steps on the CPU (median)"
     )
+    parser.add_argument(
+        "--scan", action="store_true", help="blocks in jax.lax.scan (default: unrolled)"
+    )
     parser.add_argument("--quick", action="store_true", help="a 2-block, 64 px ViT")
     parser.add_argument("--out", help="also write the report (markdown) to this file")
     args = parser.parse_args()
@@ -260,16 +272,17 @@ def main() -> None:
     for name, device in devices.items():
         columns[name] = []
         for policy in policies:
-            result = compile_step(cfg, policy, args.batch, device)
+            result = compile_step(cfg, policy, args.batch, device, args.scan)
             if args.steps and name == "XLA:CPU":
                 result["seconds_per_step"] = median_step_seconds(
-                    cfg, policy, args.batch, args.steps
+                    cfg, policy, args.batch, args.steps, args.scan
                 )
             print(f"{name} {policy}: step {result['step'] / 2**20:.1f} MiB, temp "
                   f"{result['temp'] / 2**20:.1f} MiB, compiled in {result['seconds']:.0f} s",
                   flush=True)  # fmt: skip
             columns[name].append(result)
     command = "python benchmarks/jax_vit_memory.py " + " ".join(sys.argv[1:])
+    layout = "in `jax.lax.scan`" if args.scan else "unrolled"
     versions = f"jax {jax.__version__}, Python {platform.python_version()}"
     report = "\n".join([
         "# JAX's checkpointing on the ViT-B/16 step: the compilers' plans",
@@ -279,7 +292,7 @@ def main() -> None:
         f"{(time.time() - started) / 60:.1f} min; {os.cpu_count()} CPUs, {versions}",
         "Each step is compiled by jax's CPU backend and by libtpu's compile-only client; with "
         "`--steps`, the CPU's SGD step is also timed (median). `jax.checkpoint(block, "
-        "policy=...)` around each of the blocks; dropout bits "
+        f"policy=...)` around each of the blocks, {layout}; dropout bits "
         f"from jax's default generator ({jax.config.jax_default_prng_impl}).",
         "",
         format_table(cfg, args.batch, columns),

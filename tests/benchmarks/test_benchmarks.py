@@ -146,11 +146,17 @@ def test_peak_buffers_names_what_the_plan_holds():
     assert len(_rows_by_first_cell(proc.stdout, width=3)) >= 2, proc.stdout  # header + groups
 
 
-def test_jax_vit_memory_quick():
+@pytest.mark.parametrize("layout", [[], ["--scan"]])
+def test_jax_vit_memory_quick(layout):
     """JAX's own checkpointing on the same ViT, planned by jax's XLA:CPU (the TPU compile is the
     full run's): a step holds more than its temporaries, and full remat recomputes products."""
     proc = run_benchmark(
-        "jax_vit_memory.py", "--quick", "--target=", "--policies=nothing_saveable", "--steps=1"
+        "jax_vit_memory.py",
+        "--quick",
+        "--target=",
+        "--policies=nothing_saveable",
+        "--steps=1",
+        *layout,
     )
     rows = {}
     for line in proc.stdout.splitlines():
