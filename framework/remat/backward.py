@@ -1,5 +1,6 @@
-"""The gradient of one call of a checkpointed region: the region rebuilt inline under a tape
-of its own (its recorded forward pass replayed, kept values used), then differentiated.
+"""One call of a checkpointed region: its forward pass traced and recorded, and its gradient -
+the region rebuilt inline under a tape of its own (the recorded pass replayed, kept values
+used), then differentiated. Graph-mode and eager calls share both.
 
 Variables the region writes are put back to their values before the call for the
 recomputation, and back to what the rest of the step left them afterwards.
@@ -16,22 +17,40 @@ from framework.core import tf_internals
 from framework.core.errors import UnreplayableRandomOpError
 from framework.remat.call_structure import CallStructure
 from framework.remat.dependencies import dependency, differentiable, in_graph, tied_input
-from framework.remat.effects import Effects
+from framework.remat.effects import Effects, find_effects
 from framework.remat.replay import Region
 from framework.remat.state_order import assign_variable, read_variable
 
 
-def check_replayable(effects: Effects, label: str) -> None:
-    """Raises when the region draws from stateful random ops, which a recomputation cannot
-    draw again."""
+def trace_forward(
+    region: Region, call: Callable[[list[tf.Tensor]], object], tensors: list[tf.Tensor]
+) -> tuple[tf.types.experimental.ConcreteFunction, CallStructure, Effects]:
+    """Traces `call(tensors)` as `region`'s forward pass: a function returning the results
+    (flat, in the returned structure's order) and then the values the policy keeps, and the
+    variables it writes.
+
+    Raises:
+      UnreplayableRandomOpError: when it draws from stateful random ops, which a recomputation
+        cannot draw again.
+    """
+    layouts: list[CallStructure] = []
+
+    def forward(*inputs):
+        with region.recording(dependency(list(inputs))):
+            layouts.append(CallStructure(call(list(inputs))))
+        return layouts[-1].tensors() + region.saved()
+
+    function = tf_internals.trace_function(forward, *tensors)
+    effects = find_effects(function.graph)
     if effects.stateful_random_ops:
         raise UnreplayableRandomOpError(
-            f"Remat region {label!r} contains stateful random ops "
+            f"Remat region {region.label!r} contains stateful random ops "
             f"({', '.join(effects.stateful_random_ops)}); their recomputation would draw "
             "different numbers and give wrong gradients. Use stateless randomness instead: "
             "keras.random / keras.layers.Dropout with a SeedGenerator, "
             "tf.random.stateless_*, or tf.random.Generator."
         )
+    return function, layouts[-1], effects
 
 
 @dataclasses.dataclass(frozen=True)

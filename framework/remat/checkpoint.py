@@ -16,8 +16,8 @@ How a call works (see docs/remat.md, "How it works"):
 The recomputation starts from the inputs plus a zero derived from the upstream gradient (as in
 `tf.recompute_grad`): a data dependency, which XLA cannot ignore, so it cannot hoist the
 recomputation into the forward pass or merge it with the original computation. An eager call
-runs the same traced forward pass, and its gradient is an op of the eager tape
-(`eager.EagerRegion`); the gradient function itself is `backward.recompute_gradients`.
+runs the same traced forward pass (`backward.trace_forward`), and its gradient is an op of the
+eager tape (`eager.EagerRegion`); the gradient function itself is `backward.recompute_gradients`.
 """
 
 from __future__ import annotations
@@ -31,11 +31,10 @@ import numpy as np
 import tensorflow as tf
 
 from framework.core import tf_internals
-from framework.remat.backward import RegionCall, check_replayable, recompute_gradients
+from framework.remat.backward import RegionCall, recompute_gradients, trace_forward
 from framework.remat.call_structure import CallStructure
-from framework.remat.dependencies import dependency, differentiable, in_graph
+from framework.remat.dependencies import differentiable, in_graph
 from framework.remat.eager import EagerRegion
-from framework.remat.effects import find_effects
 from framework.remat.op_callbacks import in_region
 from framework.remat.policies import Policy, everything_saveable, get_policy
 from framework.remat.replay import Region
@@ -113,18 +112,7 @@ class Checkpointed:
         """One call of the region in graph mode: traced forward function, gradient attached.
         `state` is the Keras call state the region is called in."""
         region = Region(self.policy, self.label)
-        layouts: list[CallStructure] = []
-
-        def forward(*inputs):
-            dep = dependency(list(inputs))
-            with region.recording(dep):
-                layouts.append(CallStructure(call(list(inputs))))
-            return layouts[-1].tensors() + region.saved()
-
-        function = tf_internals.trace_function(forward, *tensors)
-        layout = layouts[-1]
-        effects = find_effects(function.graph)
-        check_replayable(effects, self.label)
+        function, layout, effects = trace_forward(region, call, tensors)
         graph = tf.compat.v1.get_default_graph()
         # Captured eager tensors (closures, variable handles) as this graph sees them.
         closures = [in_graph(c, graph) for c in function.captured_inputs if differentiable(c)]

@@ -20,10 +20,8 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from framework.core import tf_internals
-from framework.remat.backward import RegionCall, check_replayable, recompute_gradients
-from framework.remat.call_structure import CallStructure
-from framework.remat.dependencies import dependency, differentiable
-from framework.remat.effects import find_effects
+from framework.remat.backward import RegionCall, recompute_gradients, trace_forward
+from framework.remat.dependencies import differentiable
 from framework.remat.policies import Policy
 from framework.remat.replay import Region
 
@@ -48,19 +46,9 @@ class EagerRegion:
         self._region = Region(policy, label)
         self._call = call
         self._state = state
-        layouts: list[CallStructure] = []
-
-        def forward(*inputs):
-            with self._region.recording(dependency(list(inputs))):
-                layouts.append(CallStructure(call(list(inputs))))
-            return layouts[-1].tensors() + self._region.saved()
-
         with tf_internals.watching_variables() as read:
-            self._forward = tf_internals.trace_function(forward, *tensors)
-        self.layout = layouts[-1]
-        self._variables = [v for v in read if v.trainable]
-        self._effects = find_effects(self._forward.graph)
-        check_replayable(self._effects, label)
+            self._forward, self.layout, self._effects = trace_forward(self._region, call, tensors)
+        self._variables = read
         captured = self._forward.captured_inputs
         self._closures = [c for c in captured if differentiable(c)]
         self.captures_values = any(c.dtype != tf.resource for c in captured)
