@@ -30,7 +30,7 @@ from tensorflow.compiler.xla import xla_data_pb2 as xla_data_pb2
 from tensorflow.compiler.xla.service import hlo_pb2 as hlo_pb2
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.protobuf import trackable_object_graph_pb2 as trackable_object_graph_pb2
-from tensorflow.python.eager import context, record
+from tensorflow.python.eager import context, forwardprop_util, record
 from tensorflow.python.framework import op_callbacks
 from tensorflow.python.ops import control_flow_v2_func_graphs, resource_variable_ops
 from tensorflow.python.training.py_checkpoint_reader import CheckpointReader as CheckpointReader
@@ -112,6 +112,24 @@ def watching_variables() -> Iterator[list[tf.Variable]]:
     with record.VariableWatcher() as watcher:
         yield read
     read.extend(watcher.watched_variables())
+
+
+def tensor_id(tensor) -> int:
+    """A tensor's id on the gradient tapes: unique for the process's lifetime (never reused, as
+    `id()` is once a tensor is freed)."""
+    return tensor._id
+
+
+def eager_function_def(name: str):
+    """The `FunctionDef` an eager op named `name` calls (a `tf.function`), or None when `name` is
+    an op of TensorFlow's own."""
+    ctx = context.context()
+    return ctx.get_function_def(name) if ctx.has_function(name) else None
+
+
+def forward_accumulator_active() -> bool:
+    """Whether a `tf.autodiff.ForwardAccumulator` is active in this thread."""
+    return bool(forwardprop_util.pack_tangents([]).indices)
 
 
 def tape_is_active() -> bool:

@@ -14,10 +14,9 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from framework.core import tf_internals
-from framework.core.errors import UnreplayableRandomOpError
 from framework.remat.call_structure import CallStructure
 from framework.remat.dependencies import dependency, differentiable, in_graph, tied_input
-from framework.remat.effects import Effects, find_effects
+from framework.remat.effects import Effects, find_effects, stateful_random_error
 from framework.remat.replay import Region
 from framework.remat.state_order import assign_variable, read_variable
 
@@ -43,13 +42,7 @@ def trace_forward(
     function = tf_internals.trace_function(forward, *tensors)
     effects = find_effects(function.graph)
     if effects.stateful_random_ops:
-        raise UnreplayableRandomOpError(
-            f"Remat region {region.label!r} contains stateful random ops "
-            f"({', '.join(effects.stateful_random_ops)}); their recomputation would draw "
-            "different numbers and give wrong gradients. Use stateless randomness instead: "
-            "keras.random / keras.layers.Dropout with a SeedGenerator, "
-            "tf.random.stateless_*, or tf.random.Generator."
-        )
+        raise stateful_random_error(region.label, effects.stateful_random_ops)
     return function, layouts[-1], effects
 
 

@@ -18,6 +18,8 @@ The recomputation starts from the inputs plus a zero derived from the upstream g
 recomputation into the forward pass or merge it with the original computation. An eager call
 runs the same traced forward pass (`backward.trace_forward`), and its gradient is an op of the
 eager tape (`eager.EagerRegion`); the gradient function itself is `backward.recompute_gradients`.
+An eager call of a Keras layer with `nothing_saveable`, whose variables are known, is not traced
+at all (`eager_rerun`).
 """
 
 from __future__ import annotations
@@ -31,12 +33,13 @@ import numpy as np
 import tensorflow as tf
 
 from framework.core import tf_internals
+from framework.remat import eager_rerun
 from framework.remat.backward import RegionCall, recompute_gradients, trace_forward
 from framework.remat.call_structure import CallStructure
 from framework.remat.dependencies import differentiable, in_graph
 from framework.remat.eager import EagerRegion
 from framework.remat.op_callbacks import in_region
-from framework.remat.policies import Policy, everything_saveable, get_policy
+from framework.remat.policies import Policy, everything_saveable, get_policy, nothing_saveable
 from framework.remat.replay import Region
 from framework.remat.state_order import read_variable
 from framework.remat.thread_state import ThreadSetting
@@ -62,9 +65,17 @@ class Checkpointed:
     `inspect.unwrap` follow that attribute to the plain function and would silently skip remat.
     """
 
-    def __init__(self, fn: Callable, policy: Policy):
+    def __init__(
+        self,
+        fn: Callable,
+        policy: Policy,
+        state: Callable[[], list[tf.Variable]] | None = None,
+    ):
         self.fn = fn
         self.policy = policy
+        # The variables `fn` may write (a layer's non-trainable ones: seeds, BatchNorm
+        # statistics), when known: then an eager call with `nothing_saveable` needs no trace.
+        self._state = state
         self.label = getattr(fn, "__qualname__", None) or type(fn).__name__
         for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
             if hasattr(fn, attr):
@@ -79,6 +90,12 @@ class Checkpointed:
 
     @tf.autograph.experimental.do_not_convert
     def __call__(self, *args, **kwargs):
+        if tf_internals.executing_eagerly():
+            with eager_rerun.nested_region():
+                return self._call(*args, **kwargs)
+        return self._call(*args, **kwargs)
+
+    def _call(self, *args, **kwargs):
         if not remat_is_on(self.policy):
             return self.fn(*args, **kwargs)
         if not tf_internals.tape_is_active() and not in_region():
@@ -97,6 +114,14 @@ class Checkpointed:
         tensors = arguments.tensors()
         if not tf_internals.executing_eagerly():
             return self._region(call, tensors, state)
+        # Untraced, unless a forward-mode accumulator will call the gradient function alone, in
+        # a state where a tape of its own records nothing (a traced backward pass works there).
+        if (
+            self.policy is nothing_saveable
+            and self._state is not None
+            and not tf_internals.forward_accumulator_active()
+        ):
+            return eager_rerun.call(self.label, call, tensors, state, self._state())
         key = arguments.eager_key(state)
         if key is not None:  # each replica of a strategy captures its own variables
             key = (key, tf_internals.current_device())
@@ -191,7 +216,7 @@ def _checkpoint_layer(layer: keras.layers.Layer, policy: Policy):
     if policy is everything_saveable:
         unwrap_layer(layer)
         return layer
-    wrapped = Checkpointed(original, policy)
+    wrapped = Checkpointed(original, policy, state=lambda: layer.non_trainable_variables)
     wrapped.label = layer.name
     object.__setattr__(layer, "_remat_original_call", original)
     object.__setattr__(layer, "call", wrapped)

@@ -64,19 +64,13 @@ class EagerRegion:
             ]
             results = self._forward(*tensors)
         outputs, kept = list(results[:n_out]), list(results[n_out:])
-        flowing = [k for k, t in enumerate(outputs) if differentiable(t)]
-        if not flowing:
-            return self.layout.pack(outputs)
-        used = [False] * n_out
         # Traced now: a forward-mode accumulator calls the gradient function alone (no gate
         # runs), in a state where a trace's own tapes record nothing.
-        every = tuple(k in flowing for k in range(n_out))
-        self._backward_for(every, tensors, kept, snapshots)
+        every = tuple(differentiable(t) for t in outputs)
+        if any(every):
+            self._backward_for(every, tensors, kept, snapshots)
 
-        def gradient(*dy):
-            mask = tuple(used) if any(used) else every
-            used[:] = [False] * n_out
-            upstream = [g for k, g in zip(flowing, dy) if mask[k]]
+        def backward(mask: tuple[bool, ...], upstream: list[tf.Tensor]) -> list:
             function, connected = self._backward_for(mask, tensors, kept, snapshots)
             grads = iter(function(*tensors, *kept, *snapshots, *upstream))
             flat = [next(grads) if has else None for has in connected]
@@ -85,16 +79,7 @@ class EagerRegion:
             return [g for t, g in zip(tensors, by_tensor) if differentiable(t)] + rest
 
         sources = [t for t in tensors if differentiable(t)] + self._closures
-        for variable in self._variables:
-            tf_internals.mark_read(variable)
-        tf_internals.record_gradient(
-            "RematRegion",
-            [outputs[k] for k in flowing],
-            sources + [v.handle for v in self._variables],
-            gradient,
-        )
-        for k in flowing:
-            outputs[k] = _gate(outputs[k], used, k)
+        outputs = attach_gradient(outputs, sources, self._variables, backward)
         return self.layout.pack(outputs)
 
     def _backward_for(
@@ -132,6 +117,42 @@ class EagerRegion:
             specs += [_spec(o) for o, used in zip(outputs, mask) if used]
             self._backward[mask] = (tf_internals.trace_function(backward, *specs), connected)
         return self._backward[mask]
+
+
+def attach_gradient(
+    outputs: list[tf.Tensor],
+    sources: list[tf.Tensor],
+    variables: list[tf.Variable],
+    backward: Callable[[tuple[bool, ...], list[tf.Tensor]], list],
+) -> list[tf.Tensor]:
+    """Records on the eager tapes one op from `sources` and `variables` (read, for tapes that
+    watch what a step reads) to the differentiable `outputs`, and returns the outputs through
+    gates that mark which of them a gradient uses.
+
+    `backward(mask, upstream)` gives one gradient (or None) per source and variable: `mask` says
+    which outputs are used (all differentiable ones when no gate ran), `upstream` holds their
+    gradients, in order.
+    """
+    flowing = [k for k, t in enumerate(outputs) if differentiable(t)]
+    if not flowing:
+        return outputs
+    every = tuple(differentiable(t) for t in outputs)
+    used = [False] * len(outputs)
+
+    def gradient(*dy):
+        mask = tuple(used) if any(used) else every
+        used[:] = [False] * len(outputs)
+        return backward(mask, [g for k, g in zip(flowing, dy) if mask[k]])
+
+    for variable in variables:
+        tf_internals.mark_read(variable)
+    tf_internals.record_gradient(
+        "RematRegion",
+        [outputs[k] for k in flowing],
+        sources + [v.handle for v in variables],
+        gradient,
+    )
+    return [_gate(t, used, k) if k in flowing else t for k, t in enumerate(outputs)]
 
 
 def _gate(result: tf.Tensor, used: list[bool], k: int) -> tf.Tensor:

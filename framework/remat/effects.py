@@ -15,6 +15,9 @@ import dataclasses
 
 import tensorflow as tf
 
+from framework.core import tf_internals
+from framework.core.errors import UnreplayableRandomOpError
+
 # Ops that change a variable in place: their resource is input 0; their value's dtype is the attr
 # "dtype" where they have one (the random-generator state of Rng* ops is int64).
 WRITE_OPS = frozenset(
@@ -83,6 +86,14 @@ def _value_dtype(node) -> tf.DType:
         return tf.as_dtype(node.attr["dtype"].type)
     if "T" in node.attr:
         return tf.as_dtype(node.attr["T"].type)
+    return tf.int64
+
+
+def written_dtype(attrs: dict) -> tf.DType:
+    """The dtype of the value a write op (`WRITE_OPS`) with these attributes writes."""
+    for key in ("dtype", "T"):
+        if key in attrs:
+            return tf.as_dtype(attrs[key])
     return tf.int64
 
 
@@ -172,3 +183,38 @@ def find_effects(graph) -> Effects:
         if handle is not None and handle.dtype == tf.resource:
             writes.append(Write(handle, dtype))
     return Effects(writes, random_ops)
+
+
+class _EagerLibrary:
+    """The functions eager ops call, looked up in the eager context as the scan reaches them."""
+
+    def __init__(self):
+        self._defs: dict = {}
+
+    def get(self, name: str):
+        if name not in self._defs:
+            self._defs[name] = tf_internals.eager_function_def(name)
+        return self._defs[name]
+
+    def __getitem__(self, name: str):
+        return self.get(name)
+
+
+def eager_function_effects(name: str) -> tuple[dict[int, tf.DType], list[str]] | None:
+    """For an eager op that calls the `tf.function` `name`: the positions of the op's inputs
+    (resources) the function writes, with their values' dtypes, and its stateful random ops;
+    None when `name` is an op of TensorFlow's own."""
+    library = _EagerLibrary()
+    if library.get(name) is None:
+        return None
+    return _Scanner(library).function(name)
+
+
+def stateful_random_error(label: str, ops: list[str]) -> UnreplayableRandomOpError:
+    """The error for a region `label` that draws from the stateful random ops `ops`."""
+    return UnreplayableRandomOpError(
+        f"Remat region {label!r} contains stateful random ops ({', '.join(ops)}); their "
+        "recomputation would draw different numbers and give wrong gradients. Use stateless "
+        "randomness instead: keras.random / keras.layers.Dropout with a SeedGenerator, "
+        "tf.random.stateless_*, or tf.random.Generator."
+    )

@@ -24,7 +24,7 @@ import math
 import keras
 
 from framework.core import tf_internals
-from framework.remat.checkpoint import checkpoint
+from framework.remat.checkpoint import Checkpointed
 from framework.remat.policies import Policy, get_policy
 
 
@@ -40,6 +40,10 @@ class Segment:
     @property
     def layers(self) -> list[keras.Layer]:
         return [node.operation for node in self.nodes]
+
+    def state(self) -> list:
+        """The variables its layers may write (their non-trainable ones)."""
+        return [v for layer in self.layers for v in getattr(layer, "non_trainable_variables", [])]
 
     @property
     def name(self) -> str:
@@ -137,7 +141,8 @@ class SegmentedGraph:
         for node in self.graph.nodes:
             if id(node) in starts:
                 segment = starts[id(node)]
-                self._plan.append((segment, checkpoint(_Runner(segment), policy)))
+                runner = Checkpointed(_Runner(segment), resolved, state=segment.state)
+                self._plan.append((segment, runner))
             elif id(node) not in members:
                 self._plan.append((node, None))
 

@@ -46,6 +46,14 @@ def test_mirrored_strategy_two_replicas(scenarios):
         assert err < 1e-5, (key, result)
 
 
+def test_eager_replicas_of_mirrored_strategy(scenarios):
+    """Replicas run in threads of their own, each checkpointed layer untraced: gradients equal
+    to the plain ones on every replica, each block run twice per replica."""
+    result = scenarios["mirrored_eager"]
+    assert result["runs"] == 2 * 2 * 2, result
+    assert result["error"] < 1e-5 and result["largest_norm"] > 1e-3, result
+
+
 def test_scanned_blocks_under_mirrored_strategy(scenarios):
     result = scenarios["scan_mirrored"]
     assert result["error"] < 1e-5 and result["largest_norm"] > 1e-3, result
@@ -185,6 +193,48 @@ def _mirrored() -> dict:
     return {"errors": errors, "runs": runs}
 
 
+def _mirrored_eager() -> dict:
+    """Two replicas called eagerly (`strategy.run` outside a tf.function), full remat against
+    none: the largest relative gradient difference over replicas and variables."""
+    import keras
+    import tensorflow as tf
+
+    from framework import remat
+    from tests.remat.test_remat import Block
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        blocks, _ = _stack(tf, keras, n=2, d=16, seq=8, batch=2)
+    variables = [v for blk in blocks for v in blk.trainable_variables]
+    data = tf.random.normal((4, 8, 16), seed=4)
+    dist = strategy.experimental_distribute_values_from_function(
+        lambda ctx: data[2 * ctx.replica_id_in_sync_group : 2 * ctx.replica_id_in_sync_group + 2]
+    )
+
+    def replica(x):
+        with tf.GradientTape() as tape:
+            loss = _loss(tf, blocks, x)
+        return tape.gradient(loss, variables)
+
+    def run():
+        for blk in blocks:
+            blk.drop.seed_generator.state.assign([3, 0])
+        return [strategy.experimental_local_results(g) for g in strategy.run(replica, (dist,))]
+
+    want = run()
+    for blk in blocks:
+        remat.checkpoint(blk, "nothing_saveable")
+    before = Block.calls
+    got = run()
+    runs = Block.calls - before
+    error, largest = 0.0, 0.0
+    for g_rep, w_rep in zip(got, want, strict=True):
+        for g, w in zip(g_rep, w_rep, strict=True):
+            error = max(error, float(tf.norm(g - w) / (tf.norm(w) + 1e-30)))
+            largest = max(largest, float(tf.norm(w)))
+    return {"error": error, "largest_norm": largest, "runs": runs}
+
+
 def _scan_mirrored() -> dict:
     """A scanned ViT with full remat against the unrolled one, each replica's step jit-compiled:
     the largest relative gradient difference over replicas and variables."""
@@ -249,6 +299,7 @@ if __name__ == "__main__":
         json.dumps(
             {
                 "mirrored": _mirrored(),
+                "mirrored_eager": _mirrored_eager(),
                 "scan_mirrored": _scan_mirrored(),
                 "memory": _memory(),
                 "leak": _leak(),

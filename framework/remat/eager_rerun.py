@@ -1,0 +1,274 @@
+"""A fully rematerialized region called eagerly: its ops run one by one with the tapes paused, and
+its gradient runs the region's code again under a tape of its own, as PyTorch's checkpoint does.
+
+Nothing is traced. Tracing a region's forward and backward passes into functions, which the other
+policies need (an eager op cannot hand a kept value to the recomputation in place of its own
+output), costs more on the first call than running them; `nothing_saveable` keeps nothing but the
+inputs, so its first eager call costs the plain call plus one recomputation.
+
+What tracing would find in a graph is read off the ops as they run, through an op callback:
+
+* the tensors the region closes over: differentiable inputs of its ops that none of its ops made
+  and that are not its arguments;
+* the variables it writes, and their values before the call (the first read of each);
+* stateful random ops, which a recomputation cannot draw again (as in graph mode, an error);
+* the ops themselves, in order: the recomputation must run the same ones, else
+  `RecomputationMismatchError`. Ops of a nested checkpoint belong to that checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+
+import tensorflow as tf
+
+from framework.core import tf_internals
+from framework.core.errors import RecomputationMismatchError, RematError
+from framework.remat.call_structure import CallStructure
+from framework.remat.dependencies import differentiable
+from framework.remat.eager import attach_gradient
+from framework.remat.effects import (
+    STATEFUL_RANDOM_OPS,
+    WRITE_OPS,
+    eager_function_effects,
+    stateful_random_error,
+    written_dtype,
+)
+
+_DIFFERENT_OPS = (
+    "The region must run the same ops on every call (no Python state that changes between the "
+    "forward pass and the recomputation). A gradient tape inside the region records nothing in "
+    "an eager forward pass (the tapes are paused there): call such a step in a tf.function."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+    """An op as the two passes must agree on it."""
+
+    op_type: str
+    shapes: tuple
+    dtypes: tuple
+    layers: tuple[str, ...]  # the Keras layers it ran in, from the region's own level down
+
+    def __str__(self) -> str:
+        outs = ", ".join(f"{d.name}{list(s)}" for s, d in zip(self.shapes, self.dtypes))
+        return f"{self.op_type} -> ({outs}) in {'/'.join(self.layers) or 'the region'}"
+
+
+class _Pass:
+    """One pass of a region (the forward pass, or the recomputation checked against it)."""
+
+    def __init__(self, label: str, tensors: list[tf.Tensor], expected: list[_Op] | None = None):
+        self.label = label
+        self.expected = expected  # None: this is the forward pass, which records
+        self.ops: list[_Op] = []
+        self.arguments = {tf_internals.tensor_id(t) for t in tensors}
+        self.made: set[int] = set()  # tensors the region's ops made (ids)
+        self.closures: dict[int, tf.Tensor] = {}
+        self.first_reads: dict[int, tf.Tensor] = {}  # handle id -> value before any write
+        self.writes: dict[int, tuple[tf.Tensor, tf.DType]] = {}  # handle id -> handle, dtype
+        self.nested = 0  # > 0 while a nested checkpoint runs
+        self._depth = len(tf_internals.keras_layer_path())
+
+    def see(self, op_type: str, inputs, attrs, outputs) -> None:
+        if self.expected is None:
+            self._note_effects(op_type, inputs, attrs, outputs)
+        if self.nested:
+            return
+        layers = tf_internals.keras_layer_path()[self._depth :]
+        if tf_internals.eager_function_def(op_type) is not None:
+            # Under a tape, TensorFlow calls another variant of a tf.function, with more outputs.
+            op = _Op("tf.function", (), (), layers)
+        else:
+            shapes = tuple(tuple(t.shape) if t.shape.rank is not None else () for t in outputs)
+            op = _Op(op_type, shapes, tuple(t.dtype for t in outputs), layers)
+        if self.expected is None:
+            self.ops.append(op)
+            return
+        index = len(self.ops)
+        if index >= len(self.expected):
+            raise RecomputationMismatchError(
+                f"Recomputation of remat region {self.label!r} ran more ops than its forward "
+                f"pass ({len(self.expected)}); first extra op #{index}: {op}."
+            )
+        if op != self.expected[index]:
+            raise RecomputationMismatchError(
+                f"Recomputation of remat region {self.label!r} differs from its forward pass at "
+                f"op #{index}: forward ran {self.expected[index]}, recomputation ran {op}. "
+                f"{_DIFFERENT_OPS}"
+            )
+        self.ops.append(op)
+
+    def check_complete(self) -> None:
+        """After the recomputation: it ran every op of the forward pass."""
+        if self.expected is not None and len(self.ops) != len(self.expected):
+            raise RecomputationMismatchError(
+                f"Recomputation of remat region {self.label!r} stopped after {len(self.ops)} "
+                f"ops; its forward pass went on with op #{len(self.ops)}: "
+                f"{self.expected[len(self.ops)]}. {_DIFFERENT_OPS}"
+            )
+
+    def _note_effects(self, op_type: str, inputs, attrs, outputs) -> None:
+        for t in inputs:
+            key = tf_internals.tensor_id(t)
+            if differentiable(t) and key not in self.made and key not in self.arguments:
+                self.closures.setdefault(key, t)
+        if op_type in STATEFUL_RANDOM_OPS:
+            raise stateful_random_error(self.label, [op_type])
+        if op_type == "ReadVariableOp":
+            key = tf_internals.tensor_id(inputs[0])
+            if key not in self.writes:
+                self.first_reads.setdefault(key, outputs[0])
+            return
+        attributes = dict(zip(attrs[::2], attrs[1::2])) if attrs else {}
+        if op_type in WRITE_OPS:
+            if op_type not in _PLAIN_WRITES:  # it read the value first, as the region did not
+                self._check_known(inputs[0], f"runs {op_type}, which updates")
+            self._write(inputs[0], written_dtype(attributes))
+            return
+        effects = eager_function_effects(op_type)
+        if effects is None:
+            return
+        written, random_ops = effects
+        if random_ops:
+            raise stateful_random_error(self.label, random_ops)
+        for position, dtype in written.items():
+            self._check_known(inputs[position], f"calls the tf.function {op_type!r}, which writes")
+            self._write(inputs[position], dtype)
+
+    def _check_known(self, handle: tf.Tensor, what: str) -> None:
+        """Raises unless the value of the variable `handle` before the call is known."""
+        if tf_internals.tensor_id(handle) not in self.first_reads:
+            raise RematError(
+                f"Remat region {self.label!r}, called eagerly, {what} a variable that is not the "
+                "layer's own and that the region has not read before: its value before the call "
+                "is gone, and the recomputation would start from another. Call the step in a "
+                "tf.function (Keras fit does), or make the variable the layer's own."
+            )
+
+    def _write(self, handle: tf.Tensor, dtype: tf.DType) -> None:
+        self.writes.setdefault(tf_internals.tensor_id(handle), (handle, dtype))
+
+
+# Writes that do not read the value first: before them, the region needs no snapshot.
+_PLAIN_WRITES = frozenset({"AssignVariableOp", "AssignVariableXlaConcatND"})
+_local = threading.local()
+
+
+def _stack() -> list[_Pass]:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+def _on_op(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+    stack = _stack()
+    if graph is not None or not stack:  # a function being traced: its call op is what runs
+        return None
+    outputs = outputs or ()
+    made = [tf_internals.tensor_id(t) for t in outputs]
+    for active in stack:
+        active.made.update(made)
+    stack[-1].see(op_type, inputs, attrs, outputs)
+    return None
+
+
+@contextlib.contextmanager
+def _running(active: _Pass) -> Iterator[None]:
+    # Registered once per thread, for good: removing a thread's last eager op callback turns
+    # TensorFlow's callbacks off for calls of tf.functions in every thread, under the feet of
+    # a region that another thread (a replica of MirroredStrategy) is running.
+    if not getattr(_local, "registered", False):
+        tf_internals.add_op_callback(_on_op)
+        _local.registered = True
+    stack = _stack()
+    stack.append(active)
+    try:
+        yield
+    finally:
+        stack.remove(active)
+
+
+@contextlib.contextmanager
+def nested_region() -> Iterator[None]:
+    """Marks the block as a nested checkpoint's call: its ops are its own, not the enclosing
+    region's (the forward pass runs it plainly, the recomputation rematerializes it)."""
+    stack = _stack()
+    if not stack:
+        yield
+        return
+    stack[-1].nested += 1
+    try:
+        yield
+    finally:
+        stack[-1].nested -= 1
+
+
+def call(
+    label: str,
+    region: Callable[[list[tf.Tensor]], object],
+    tensors: list[tf.Tensor],
+    state: tf_internals.KerasCallState,
+    may_write: list,
+):
+    """Runs `region(tensors)` eagerly as a fully rematerialized region; returns its results.
+
+    `state` is the Keras call state it is called in, entered again for the recomputation.
+    `may_write` are the variables it may write: their values are read before the call, so a
+    `tf.function` the region calls may write them too (its reads and writes are not seen).
+    """
+    forward = _Pass(label, tensors)
+    with tf_internals.stop_recording():
+        for variable in may_write:
+            handle = variable.handle
+            forward.first_reads[tf_internals.tensor_id(handle)] = tf.raw_ops.ReadVariableOp(
+                resource=handle, dtype=tf.as_dtype(variable.dtype)
+            )
+    with tf_internals.stop_recording(), tf_internals.watching_variables() as variables:
+        with _running(forward):
+            results = CallStructure(region(tensors))
+    writes = list(forward.writes.items())
+    snapshots = [(handle, forward.first_reads.get(key)) for key, (handle, _) in writes]
+    closures = list(forward.closures.values())
+    expected = forward.ops
+
+    def backward(mask: tuple[bool, ...], upstream: list[tf.Tensor]) -> list:
+        with tf_internals.stop_recording():
+            current = [
+                tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype)
+                for _, (handle, dtype) in writes
+            ]
+            for handle, value in snapshots:
+                if value is not None:
+                    tf.raw_ops.AssignVariableOp(resource=handle, value=value)
+        inputs = [tf.identity(t) for t in tensors]  # watched apart from the caller's
+        watched = [t for t in inputs if differentiable(t)] + closures + variables
+        # Checked op by op when it runs eagerly; a forward-mode accumulator traces it instead.
+        recomputation = _Pass(label, inputs, expected=expected)
+        checking = _running(recomputation) if tf_internals.executing_eagerly() else None
+        try:
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(watched)
+                with checking or contextlib.nullcontext():
+                    with tf_internals.keras_call_state_entered(state):
+                        again = CallStructure(region(inputs)).tensors()
+        finally:
+            with tf_internals.stop_recording():
+                for (_, (handle, _)), value in zip(writes, current):
+                    tf.raw_ops.AssignVariableOp(resource=handle, value=value)
+        if checking is not None:
+            recomputation.check_complete()
+        targets = [t for t, used in zip(again, mask) if used]
+        return tape.gradient(
+            targets,
+            watched,
+            output_gradients=upstream,
+            unconnected_gradients=tf.UnconnectedGradients.NONE,
+        )
+
+    sources = [t for t in tensors if differentiable(t)] + closures
+    return results.pack(attach_gradient(results.tensors(), sources, variables, backward))

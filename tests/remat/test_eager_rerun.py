@@ -1,0 +1,213 @@
+"""Eager calls of Keras layers checkpointed with `nothing_saveable`: nothing is traced, the layer's
+code runs once for the forward pass and once for the recomputation, and what a trace would have
+found (closures, written variables, stateful random ops, the ops themselves) is read off the ops as
+they run. Each case compares with the same layer called plainly, variables and seeds restored.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from framework import remat
+from tests.remat.test_semantics import assert_close, rand
+
+
+class Layer(keras.layers.Layer):
+    """Runs `body(self, x)`; counts its calls and whether each ran eagerly (not traced)."""
+
+    def __init__(self, body, **kwargs):
+        super().__init__(**kwargs)
+        self.body = body
+        self.dense = keras.layers.Dense(4)
+        self.drop = keras.layers.Dropout(0.4, seed=11)
+        self.norm = keras.layers.BatchNormalization()
+        self.calls: list[bool] = []
+
+    def call(self, x, training=None):
+        self.calls.append(tf.executing_eagerly())
+        return self.body(self, x)
+
+
+def dense_drop_norm(layer, x):
+    return layer.norm(layer.drop(tf.sin(layer.dense(x)), training=True), training=True)
+
+
+def gradients(layer, x, extra=()):
+    """d loss / d (x, extra, the layer's trainable variables), eagerly."""
+    with tf.GradientTape() as tape:
+        tape.watch([x, *extra])
+        loss = tf.reduce_sum(layer(x, training=True) ** 2)
+    return tape.gradient(loss, [x, *extra, *layer.trainable_variables])
+
+
+def both(layer, run):
+    """`run()` plainly and with `layer` checkpointed, from the same variables and seeds; returns
+    (plain, remat) results, and the layer's variables after each."""
+    start = [v.numpy() for v in layer.variables]
+    want = run()
+    after_plain = [v.numpy() for v in layer.variables]
+    for v, value in zip(layer.variables, start):
+        v.assign(value)
+    remat.checkpoint(layer)
+    layer.calls.clear()
+    try:
+        got = run()
+    finally:
+        remat.checkpoint(layer, policy=None)
+    for a, b in zip([v.numpy() for v in layer.variables], after_plain):
+        np.testing.assert_allclose(a, b, rtol=1e-6)  # seeds and BatchNorm statistics
+    return want, got
+
+
+def built(body, closure: tf.Tensor | None = None):
+    layer = Layer(body)
+    layer.closure = closure
+    layer(rand(3, 4))
+    return layer
+
+
+@pytest.mark.tf_compat
+def test_untraced_forward_and_recomputation_match_the_plain_gradients():
+    layer = built(dense_drop_norm)
+    x = rand(3, 4)
+    want, got = both(layer, lambda: gradients(layer, x))
+    assert_close(got, want)
+    assert layer.calls == [True, True]  # the forward pass and the recomputation, both eager
+
+
+def test_closed_over_tensor_gets_its_gradient():
+    c = rand(4)
+    layer = built(lambda self, x: dense_drop_norm(self, x) * tf.sin(self.closure), c)
+    x = rand(3, 4)
+    want, got = both(layer, lambda: gradients(layer, x, [c]))
+    assert got[1] is not None
+    assert_close(got, want)
+
+
+def test_unused_results_give_none_to_what_reaches_only_them():
+    def two(self, x):
+        return self.dense(x), tf.sin(self.closure) * 2.0
+
+    c = rand(4)
+    layer = built(two, c)
+    x = rand(3, 4)
+
+    def run():
+        with tf.GradientTape() as tape:
+            tape.watch([x, c])
+            first, _ = layer(x, training=True)
+            loss = tf.reduce_sum(first**2)
+        return tape.gradient(loss, [x, c])
+
+    want, got = both(layer, run)
+    assert want[1] is None and got[1] is None
+    assert_close(got, want)
+
+
+@pytest.mark.tf_compat
+def test_tf_function_inside_writing_the_layers_own_seed():
+    noisy = tf.function(lambda layer, h: layer.drop(h, training=True))
+    layer = built(lambda self, x: noisy(self, tf.sin(self.dense(x))) * 2.0)
+    x = rand(3, 4)
+    want, got = both(layer, lambda: gradients(layer, x))
+    assert_close(got, want)
+    assert layer.calls == [True, True]
+
+
+def test_second_order_gradients():
+    layer = built(lambda self, x: tf.sin(self.dense(x)) * self.drop(x, training=True))
+    x = rand(3, 4)
+
+    def run():
+        with tf.GradientTape() as outer:
+            outer.watch(x)
+            with tf.GradientTape() as inner:
+                inner.watch(x)
+                loss = tf.reduce_sum(layer(x, training=True) ** 2)
+            g = inner.gradient(loss, x)
+            norm = tf.reduce_sum(g**2)
+        return outer.gradient(norm, [x, *layer.trainable_variables])
+
+    want, got = both(layer, run)
+    assert_close(got, want, tol=1e-4)
+
+
+@pytest.mark.tf_compat
+def test_forward_mode_gives_the_plain_jvp():
+    layer = built(lambda self, x: tf.sin(self.dense(x)))
+    x, v = rand(3, 4), rand(3, 4)
+
+    def run():
+        with tf.autodiff.ForwardAccumulator(x, v) as acc:
+            y = layer(x, training=True)
+        return acc.jvp(y)
+
+    want, got = both(layer, run)
+    assert got is not None
+    assert_close(got, want)
+
+
+def test_nested_checkpointed_layer():
+    inner = built(dense_drop_norm)
+    outer = Layer(lambda self, x: self.inner(tf.tanh(self.dense(x)), training=True) + x)
+    outer.inner = inner  # its variables are the outer layer's too
+    outer(rand(3, 4))
+    x = rand(3, 4)
+    remat.checkpoint(inner)
+    inner.calls.clear()
+    want, got = both(outer, lambda: gradients(outer, x))
+    assert_close(got, want)
+    assert outer.calls == [True, True]
+    # Checkpointed alone (2 calls), then in the outer layer's forward pass, plainly, and in its
+    # recomputation, checkpointed (3).
+    assert inner.calls == [True] * 5
+
+
+def test_changing_python_state_is_a_mismatch_error():
+    state = []
+
+    def changing(self, x):
+        state.append(1)
+        return tf.sin(x) if len(state) % 2 else tf.cos(x) * 1.0
+
+    layer = built(changing)
+    remat.checkpoint(layer)
+    with pytest.raises(remat.RecomputationMismatchError, match="differs from its forward pass"):
+        gradients(layer, rand(3, 4))
+
+
+def test_stateful_random_op_is_an_error():
+    layer = built(lambda self, x: x * tf.random.uniform(tf.shape(x)))
+    remat.checkpoint(layer)
+    with pytest.raises(remat.UnreplayableRandomOpError, match="RandomUniform"):
+        gradients(layer, rand(3, 4))
+
+
+def test_update_of_a_variable_not_the_layers_own_is_an_error():
+    generator = tf.random.Generator.from_seed(3)
+    layer = built(lambda self, x: x * generator.uniform(x.shape))
+    remat.checkpoint(layer)
+    with pytest.raises(remat.RematError, match="not the layer's own"):
+        gradients(layer, rand(3, 4))
+
+
+def test_gradient_tape_inside_the_layer_is_loud():
+    def inner_gradient(self, x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            e = tf.reduce_sum(tf.sin(x) ** 2)
+        g = tape.gradient(e, x, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return g * x
+
+    layer = built(inner_gradient)
+    remat.checkpoint(layer)
+    with pytest.raises(remat.RecomputationMismatchError, match="gradient tape inside"):
+        gradients(layer, rand(3, 4))
+    # The same step in a tf.function traces the region and is exact.
+    x = rand(3, 4)
+    got = tf.function(lambda x: gradients(layer, x))(x)
+    remat.checkpoint(layer, policy=None)
+    assert_close(got, tf.function(lambda x: gradients(layer, x))(x))
