@@ -127,6 +127,31 @@ def eager_function_def(name: str):
     return ctx.get_function_def(name) if ctx.has_function(name) else None
 
 
+def tf_variable(variable) -> tf.Variable:
+    """The `tf.Variable` a Keras variable stores its value in (itself for a `tf.Variable`): its
+    handle and dtype are the variable's own, not the autocast ones a Keras variable shows inside
+    a mixed-precision layer call."""
+    import keras
+
+    return variable._value if isinstance(variable, keras.Variable) else variable
+
+
+def keras_added_losses(layer) -> int:
+    """How many losses `layer` and its sublayers hold from `add_loss` (activity regularizers
+    included) in this call; 0 for a Keras operation that is not a layer."""
+    if not hasattr(layer, "_flatten_layers"):
+        return 0
+    return sum(len(getattr(x, "_losses", ())) for x in layer._flatten_layers(include_self=True))
+
+
+def create_keras_global_seed_generator() -> None:
+    """Creates Keras' global seed generator (unseeded `keras.random` calls draw from it) if it
+    does not exist yet, so that its variable is not created inside a call."""
+    from keras.src.random.seed_generator import global_seed_generator
+
+    global_seed_generator()
+
+
 def forward_accumulator_active() -> bool:
     """Whether a `tf.autodiff.ForwardAccumulator` is active in this thread."""
     return bool(forwardprop_util.pack_tangents([]).indices)

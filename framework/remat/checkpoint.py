@@ -69,13 +69,13 @@ class Checkpointed:
         self,
         fn: Callable,
         policy: Policy,
-        state: Callable[[], list[tf.Variable]] | None = None,
+        layers: Callable[[], list] | None = None,
     ):
         self.fn = fn
         self.policy = policy
-        # The variables `fn` may write (a layer's non-trainable ones: seeds, BatchNorm
-        # statistics), when known: then an eager call with `nothing_saveable` needs no trace.
-        self._state = state
+        # The Keras layers `fn` runs, when known: their variables are then known before a call,
+        # and an eager call with `nothing_saveable` needs no trace.
+        self._layers = layers
         self.label = getattr(fn, "__qualname__", None) or type(fn).__name__
         for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
             if hasattr(fn, attr):
@@ -118,10 +118,10 @@ class Checkpointed:
         # a state where a tape of its own records nothing (a traced backward pass works there).
         if (
             self.policy is nothing_saveable
-            and self._state is not None
+            and self._layers is not None
             and not tf_internals.forward_accumulator_active()
         ):
-            return eager_rerun.call(self.label, call, tensors, state, self._state())
+            return eager_rerun.call(self.label, call, tensors, state, self._layers())
         key = arguments.eager_key(state)
         if key is not None:  # each replica of a strategy captures its own variables
             key = (key, tf_internals.current_device())
@@ -216,7 +216,7 @@ def _checkpoint_layer(layer: keras.layers.Layer, policy: Policy):
     if policy is everything_saveable:
         unwrap_layer(layer)
         return layer
-    wrapped = Checkpointed(original, policy, state=lambda: layer.non_trainable_variables)
+    wrapped = Checkpointed(original, policy, layers=lambda: [layer])
     wrapped.label = layer.name
     object.__setattr__(layer, "_remat_original_call", original)
     object.__setattr__(layer, "call", wrapped)

@@ -71,6 +71,8 @@ class _Pass:
         self.closures: dict[int, tf.Tensor] = {}
         self.first_reads: dict[int, tf.Tensor] = {}  # handle id -> value before any write
         self.writes: dict[int, tuple[tf.Tensor, tf.DType]] = {}  # handle id -> handle, dtype
+        self.unseen_reads: set[int] = set()  # handles a tf.function got before any known value
+        self.created_variables = False
         self.nested = 0  # > 0 while a nested checkpoint runs
         self._depth = len(tf_internals.keras_layer_path())
 
@@ -125,9 +127,14 @@ class _Pass:
                 self.first_reads.setdefault(key, outputs[0])
             return
         attributes = dict(zip(attrs[::2], attrs[1::2])) if attrs else {}
+        if op_type == "VarHandleOp":
+            self.created_variables = True
         if op_type in WRITE_OPS:
+            key = tf_internals.tensor_id(inputs[0])
             if op_type not in _PLAIN_WRITES:  # it read the value first, as the region did not
                 self._check_known(inputs[0], f"runs {op_type}, which updates")
+            elif key in self.unseen_reads:  # a tf.function may have read it before
+                self._check_known(inputs[0], "writes, after a tf.function that may read it,")
             self._write(inputs[0], written_dtype(attributes))
             return
         effects = eager_function_effects(op_type)
@@ -139,6 +146,11 @@ class _Pass:
         for position, dtype in written.items():
             self._check_known(inputs[position], f"calls the tf.function {op_type!r}, which writes")
             self._write(inputs[position], dtype)
+        self.unseen_reads.update(
+            tf_internals.tensor_id(t)
+            for t in inputs
+            if t.dtype == tf.resource and tf_internals.tensor_id(t) not in self.first_reads
+        )
 
     def _check_known(self, handle: tf.Tensor, what: str) -> None:
         """Raises unless the value of the variable `handle` before the call is known."""
@@ -213,24 +225,43 @@ def call(
     region: Callable[[list[tf.Tensor]], object],
     tensors: list[tf.Tensor],
     state: tf_internals.KerasCallState,
-    may_write: list,
+    layers: list,
 ):
     """Runs `region(tensors)` eagerly as a fully rematerialized region; returns its results.
 
     `state` is the Keras call state it is called in, entered again for the recomputation.
-    `may_write` are the variables it may write: their values are read before the call, so a
-    `tf.function` the region calls may write them too (its reads and writes are not seen).
+    `layers` are the Keras layers it runs: their non-trainable variables (the ones a call
+    writes) are read before the call, so a `tf.function` the region calls may write them too
+    (its own reads and writes are not seen).
     """
+    tf_internals.create_keras_global_seed_generator()
     forward = _Pass(label, tensors)
     with tf_internals.stop_recording():
-        for variable in may_write:
-            handle = variable.handle
-            forward.first_reads[tf_internals.tensor_id(handle)] = tf.raw_ops.ReadVariableOp(
-                resource=handle, dtype=tf.as_dtype(variable.dtype)
-            )
+        for layer in layers:
+            for variable in getattr(layer, "non_trainable_variables", ()):
+                stored = tf_internals.tf_variable(variable)
+                forward.first_reads[tf_internals.tensor_id(stored.handle)] = (
+                    tf.raw_ops.ReadVariableOp(resource=stored.handle, dtype=stored.dtype)
+                )
+    losses = sum(tf_internals.keras_added_losses(layer) for layer in layers)
     with tf_internals.stop_recording(), tf_internals.watching_variables() as variables:
         with _running(forward):
             results = CallStructure(region(tensors))
+        # New tensors: a result that is an input, a closure or another result would make the
+        # recorded op its own input, or give one gradient to two results.
+        outputs = [tf.identity(t) for t in results.tensors()]
+    if forward.created_variables:
+        raise RematError(
+            f"Remat region {label!r} created variables in its call (a layer built inside "
+            "another's call): run the model once before the checkpointed step, so that its "
+            "layers are built."
+        )
+    if sum(tf_internals.keras_added_losses(layer) for layer in layers) != losses:
+        raise RematError(
+            f"Remat region {label!r} added losses (add_loss, activity_regularizer): a loss "
+            "computed inside a checkpointed region does not reach the step's gradient. Leave "
+            "this layer out of the checkpoint (`set_grad_checkpointing(model, layers=...)`)."
+        )
     writes = list(forward.writes.items())
     snapshots = [(handle, forward.first_reads.get(key)) for key, (handle, _) in writes]
     closures = list(forward.closures.values())
@@ -271,4 +302,4 @@ def call(
         )
 
     sources = [t for t in tensors if differentiable(t)] + closures
-    return results.pack(attach_gradient(results.tensors(), sources, variables, backward))
+    return results.pack(attach_gradient(outputs, sources, variables, backward))

@@ -41,10 +41,6 @@ class Segment:
     def layers(self) -> list[keras.Layer]:
         return [node.operation for node in self.nodes]
 
-    def state(self) -> list:
-        """The variables its layers may write (their non-trainable ones)."""
-        return [v for layer in self.layers for v in getattr(layer, "non_trainable_variables", [])]
-
     @property
     def name(self) -> str:
         names = [layer.name for layer in self.layers]
@@ -141,7 +137,7 @@ class SegmentedGraph:
         for node in self.graph.nodes:
             if id(node) in starts:
                 segment = starts[id(node)]
-                runner = Checkpointed(_Runner(segment), resolved, state=segment.state)
+                runner = Checkpointed(_Runner(segment), resolved, layers=lambda s=segment: s.layers)
                 self._plan.append((segment, runner))
             elif id(node) not in members:
                 self._plan.append((node, None))

@@ -211,3 +211,86 @@ def test_gradient_tape_inside_the_layer_is_loud():
     got = tf.function(lambda x: gradients(layer, x))(x)
     remat.checkpoint(layer, policy=None)
     assert_close(got, tf.function(lambda x: gradients(layer, x))(x))
+
+
+@pytest.mark.parametrize("used", [0, 1])
+def test_results_that_are_inputs_or_repeat(used):
+    """A result that is the layer's input, and one tensor returned twice with one copy used."""
+
+    def repeated(self, x):
+        y = tf.sin(self.dense(x))
+        return x, y, y
+
+    layer = built(repeated)
+    x = rand(3, 4)
+
+    def run():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            same, first, second = layer(x, training=True)
+            loss = tf.reduce_sum((first, second)[used] ** 2) + tf.reduce_sum(same)
+        return tape.gradient(loss, [x, *layer.trainable_variables])
+
+    want, got = both(layer, run)
+    assert_close(got, want)
+
+
+def test_mixed_precision_with_a_frozen_sublayer():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        layer = built(lambda self, x: tf.cast(dense_drop_norm(self, x), tf.float32))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    layer.dense.trainable = False  # its kernel is read up front, in float32, not autocast
+    x = rand(3, 4)
+    want, got = both(layer, lambda: gradients(layer, x))
+    assert_close(got, want, tol=1e-3)  # float16 activations
+
+
+def test_unseeded_keras_random_on_the_first_call():
+    """Keras' global seed generator, created on the first unseeded draw, is created ahead."""
+    layer = built(lambda self, x: x * keras.random.uniform(tf.shape(x)) + self.dense(x))
+    x = rand(3, 4)
+    remat.checkpoint(layer)
+    keras.utils.set_random_seed(5)  # no global seed generator: the call creates it
+    got = gradients(layer, x)
+    remat.checkpoint(layer, policy=None)
+    keras.utils.set_random_seed(5)
+    assert_close(got, gradients(layer, x))
+
+
+def test_added_losses_are_an_error():
+    def regularized(self, x):
+        y = self.dense(x)
+        self.add_loss(tf.reduce_sum(y**2))
+        return y
+
+    layer = built(regularized)
+    remat.checkpoint(layer)
+    with pytest.raises(remat.RematError, match="added losses"):
+        gradients(layer, rand(3, 4))
+
+
+def test_variables_created_in_the_call_are_an_error():
+    """A sublayer first called (so built) inside the checkpointed call."""
+    layer = built(lambda self, x: x if self.closure is None else self.norm(x, training=True))
+    layer.closure = rand(4)
+    remat.checkpoint(layer)
+    with pytest.raises(remat.RematError, match="created variables"):
+        gradients(layer, rand(3, 4))
+
+
+def test_write_after_a_tf_function_read_of_a_foreign_variable_is_an_error():
+    scale = tf.Variable(2.0, trainable=False)
+    read = tf.function(lambda x: x * scale)
+
+    def body(self, x):
+        y = read(x)
+        scale.assign(3.0)  # the recomputation's read would see 3.0
+        return y
+
+    layer = built(body)
+    scale.assign(2.0)
+    remat.checkpoint(layer)
+    with pytest.raises(remat.RematError, match="may read it"):
+        gradients(layer, rand(3, 4))
