@@ -191,12 +191,11 @@ def _on_op(op_type, inputs, attrs, outputs, op_name=None, graph=None):
 
 @contextlib.contextmanager
 def _running(active: _Pass) -> Iterator[None]:
-    # Registered once per thread, for good: removing a thread's last eager op callback turns
-    # TensorFlow's callbacks off for calls of tf.functions in every thread, under the feet of
-    # a region that another thread (a replica of MirroredStrategy) is running.
-    if not getattr(_local, "registered", False):
-        tf_internals.add_op_callback(_on_op)
-        _local.registered = True
+    # Added at every pass and never removed: removing a thread's last eager op callback turns
+    # TensorFlow's callbacks off for tf.function calls in every thread, under the feet of a
+    # region another thread (a MirroredStrategy replica) is running; adding one, even one
+    # already there, turns them back on.
+    tf_internals.add_op_callback(_on_op)
     stack = _stack()
     stack.append(active)
     try:
