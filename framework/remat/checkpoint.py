@@ -33,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from framework.core import tf_internals
+from framework.core.errors import RematError
 from framework.remat import eager_rerun
 from framework.remat.backward import RegionCall, recompute_gradients, trace_forward
 from framework.remat.call_structure import CallStructure
@@ -111,6 +112,20 @@ class Checkpointed:
             a, kw = arguments.pack(tensors)
             return fn(*a, **kw)
 
+        layers = self._layers() if self._layers is not None else None
+        losses = _added_losses(layers)
+        results = self._run(call, arguments, state, layers)
+        if _added_losses(layers) != losses:
+            raise RematError(
+                f"Remat region {self.label!r} added losses (add_loss, activity_regularizer): a "
+                "loss computed inside a checkpointed region does not reach the step's gradient. "
+                "Leave this layer out of the checkpoint (`set_grad_checkpointing(model, "
+                "layers=...)`)."
+            )
+        return results
+
+    def _run(self, call: Callable, arguments: CallStructure, state, layers: list | None):
+        """The call's results, from the path for this mode (graph, eager untraced or traced)."""
         tensors = arguments.tensors()
         if not tf_internals.executing_eagerly():
             return self._region(call, tensors, state)
@@ -118,10 +133,10 @@ class Checkpointed:
         # a state where a tape of its own records nothing (a traced backward pass works there).
         if (
             self.policy is nothing_saveable
-            and self._layers is not None
+            and layers is not None
             and not tf_internals.forward_accumulator_active()
         ):
-            return eager_rerun.call(self.label, call, tensors, state, self._layers())
+            return eager_rerun.call(self.label, call, tensors, state, layers)
         key = arguments.eager_key(state)
         if key is not None:  # each replica of a strategy captures its own variables
             key = (key, tf_internals.current_device())
@@ -179,6 +194,10 @@ class Checkpointed:
 
         results.extend(attach(*tensors, *closures))
         return layout.pack(results)
+
+
+def _added_losses(layers: list | None) -> int:
+    return sum(tf_internals.keras_added_losses(layer) for layer in layers or ())
 
 
 def _unused(result: tf.Tensor) -> bool:

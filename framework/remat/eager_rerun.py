@@ -242,7 +242,6 @@ def call(
                 forward.first_reads[tf_internals.tensor_id(stored.handle)] = (
                     tf.raw_ops.ReadVariableOp(resource=stored.handle, dtype=stored.dtype)
                 )
-    losses = sum(tf_internals.keras_added_losses(layer) for layer in layers)
     with tf_internals.stop_recording(), tf_internals.watching_variables() as variables:
         with _running(forward):
             results = CallStructure(region(tensors))
@@ -254,12 +253,6 @@ def call(
             f"Remat region {label!r} created variables in its call (a layer built inside "
             "another's call): run the model once before the checkpointed step, so that its "
             "layers are built."
-        )
-    if sum(tf_internals.keras_added_losses(layer) for layer in layers) != losses:
-        raise RematError(
-            f"Remat region {label!r} added losses (add_loss, activity_regularizer): a loss "
-            "computed inside a checkpointed region does not reach the step's gradient. Leave "
-            "this layer out of the checkpoint (`set_grad_checkpointing(model, layers=...)`)."
         )
     writes = list(forward.writes.items())
     snapshots = [(handle, forward.first_reads.get(key)) for key, (handle, _) in writes]

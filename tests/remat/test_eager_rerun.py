@@ -6,6 +6,8 @@ they run. Each case compares with the same layer called plainly, variables and s
 
 from __future__ import annotations
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -259,16 +261,21 @@ def test_unseeded_keras_random_on_the_first_call():
     assert_close(got, gradients(layer, x))
 
 
-def test_added_losses_are_an_error():
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable"])
+def test_added_losses_are_an_error(mode, policy):
+    """In every path (untraced, traced eagerly, in a tf.function)."""
+
     def regularized(self, x):
         y = self.dense(x)
         self.add_loss(tf.reduce_sum(y**2))
         return y
 
     layer = built(regularized)
-    remat.checkpoint(layer)
+    remat.checkpoint(layer, policy)
+    step = functools.partial(gradients, layer)
     with pytest.raises(remat.RematError, match="added losses"):
-        gradients(layer, rand(3, 4))
+        (step if mode == "eager" else tf.function(step))(rand(3, 4))
 
 
 def test_variables_created_in_the_call_are_an_error():
