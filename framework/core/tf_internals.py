@@ -120,11 +120,15 @@ def tensor_id(tensor) -> int:
     return tensor._id
 
 
+def is_eager_function(name: str) -> bool:
+    """Whether an eager op named `name` calls a `tf.function` (else it is TensorFlow's own op)."""
+    return context.context().has_function(name)
+
+
 def eager_function_def(name: str):
     """The `FunctionDef` an eager op named `name` calls (a `tf.function`), or None when `name` is
     an op of TensorFlow's own."""
-    ctx = context.context()
-    return ctx.get_function_def(name) if ctx.has_function(name) else None
+    return context.context().get_function_def(name) if is_eager_function(name) else None
 
 
 def tf_variable(variable) -> tf.Variable:

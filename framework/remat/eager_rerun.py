@@ -10,7 +10,8 @@ What tracing would find in a graph is read off the ops as they run, through an o
 
 * the tensors the region closes over: differentiable inputs of its ops that none of its ops made
   and that are not its arguments;
-* the variables it writes, and their values before the call (the first read of each);
+* the variables it writes, and their values before the call (its layers' non-trainable
+  variables read up front, others at their first read);
 * stateful random ops, which a recomputation cannot draw again (as in graph mode, an error);
 * the ops themselves, in order: the recomputation must run the same ones, else
   `RecomputationMismatchError`. Ops of a nested checkpoint belong to that checkpoint.
@@ -38,6 +39,8 @@ from framework.remat.effects import (
     written_dtype,
 )
 
+# Writes that do not read the value first: before them, the region needs no snapshot.
+_PLAIN_WRITES = frozenset({"AssignVariableOp", "AssignVariableXlaConcatND"})
 _DIFFERENT_OPS = (
     "The region must run the same ops on every call (no Python state that changes between the "
     "forward pass and the recomputation). A gradient tape inside the region records nothing in "
@@ -82,7 +85,7 @@ class _Pass:
         if self.nested:
             return
         layers = tf_internals.keras_layer_path()[self._depth :]
-        if tf_internals.eager_function_def(op_type) is not None:
+        if tf_internals.is_eager_function(op_type):
             # Under a tape, TensorFlow calls another variant of a tf.function, with more outputs.
             op = _Op("tf.function", (), (), layers)
         else:
@@ -126,11 +129,11 @@ class _Pass:
             if key not in self.writes:
                 self.first_reads.setdefault(key, outputs[0])
             return
-        attributes = dict(zip(attrs[::2], attrs[1::2])) if attrs else {}
         if op_type == "VarHandleOp":
             self.created_variables = True
         if op_type in WRITE_OPS:
             key = tf_internals.tensor_id(inputs[0])
+            attributes = dict(zip(attrs[::2], attrs[1::2])) if attrs else {}
             if op_type not in _PLAIN_WRITES:  # it read the value first, as the region did not
                 self._check_known(inputs[0], f"runs {op_type}, which updates")
             elif key in self.unseen_reads:  # a tf.function may have read it before
@@ -166,8 +169,6 @@ class _Pass:
         self.writes.setdefault(tf_internals.tensor_id(handle), (handle, dtype))
 
 
-# Writes that do not read the value first: before them, the region needs no snapshot.
-_PLAIN_WRITES = frozenset({"AssignVariableOp", "AssignVariableXlaConcatND"})
 _local = threading.local()
 
 

@@ -204,10 +204,9 @@ def eager_function_effects(name: str) -> tuple[dict[int, tf.DType], list[str]] |
     """For an eager op that calls the `tf.function` `name`: the positions of the op's inputs
     (resources) the function writes, with their values' dtypes, and its stateful random ops;
     None when `name` is an op of TensorFlow's own."""
-    library = _EagerLibrary()
-    if library.get(name) is None:
+    if not tf_internals.is_eager_function(name):
         return None
-    return _Scanner(library).function(name)
+    return _Scanner(_EagerLibrary()).function(name)
 
 
 def stateful_random_error(label: str, ops: list[str]) -> UnreplayableRandomOpError:

@@ -61,6 +61,7 @@ def both(layer, run):
         remat.checkpoint(layer, policy=None)
     for a, b in zip([v.numpy() for v in layer.variables], after_plain):
         np.testing.assert_allclose(a, b, rtol=1e-6)  # seeds and BatchNorm statistics
+    assert len(layer.calls) >= 2, layer.calls  # the forward pass and a recomputation, at least
     return want, got
 
 
@@ -301,3 +302,36 @@ def test_write_after_a_tf_function_read_of_a_foreign_variable_is_an_error():
     remat.checkpoint(layer)
     with pytest.raises(remat.RematError, match="may read it"):
         gradients(layer, rand(3, 4))
+
+
+def test_fit_run_eagerly_with_training_left_implicit():
+    """`set_grad_checkpointing` on a functional model of two such blocks, one `fit` step run
+    eagerly; the blocks take `training` from Keras' call context. Same weights as without."""
+
+    def implicit(self, x):
+        return x + self.norm(self.drop(tf.sin(self.dense(x))))
+
+    def model_and_data():
+        keras.utils.set_random_seed(2)
+        inputs = keras.Input((4,))
+        first, second = Layer(implicit), Layer(implicit)
+        outputs = keras.layers.Dense(1)(second(first(inputs)))
+        model = keras.Model(inputs, outputs)
+        model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
+        return model, (first, second), rand(8, 4, seed=3), rand(8, 1, seed=4)
+
+    weights = []
+    for checkpointed in (False, True):
+        model, blocks, x, y = model_and_data()
+        if checkpointed:
+            assert len(remat.set_grad_checkpointing(model)) == 2
+        for block in blocks:
+            block.calls.clear()
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+        weights.append([v.numpy() for v in model.variables])
+        # Once per step plainly; with remat, once more in the backward pass, both untraced.
+        assert all(b.calls == [True] * (2 if checkpointed else 1) for b in blocks), [
+            b.calls for b in blocks
+        ]
+    for got, want in zip(weights[1], weights[0], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
