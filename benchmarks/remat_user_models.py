@@ -27,7 +27,9 @@ import numpy as np
 import tensorflow as tf
 from reporting import child_json, machine, write_report
 
-MODELS = ("vit", "bert", "gpt2", "gemma", "resnet50", "convnext", "efficientnet", "mobilenetv3")
+MODELS = (
+    "vit", "bert", "gpt2", "gemma", "mixtral", "resnet50", "convnext", "efficientnet", "mobilenetv3"
+)  # fmt: skip
 
 
 def build(name: str, quick: bool):
@@ -63,6 +65,11 @@ def build(name: str, quick: bool):
             num_query_heads=4, num_key_value_heads=1, head_dim=width // 4, dropout=0.1, **text
         )
         return model, tokens
+    if name == "mixtral":  # 4 experts, 2 per token; its blocks add the router's loss
+        model = keras_hub.models.MixtralBackbone(
+            num_query_heads=4, num_key_value_heads=1, num_experts=4, top_k=2, dropout=0.1, **text
+        )
+        return model, tokens
     size = 32 if quick else 160
     constructor = {
         "resnet50": keras.applications.ResNet50,
@@ -87,6 +94,7 @@ def measure(name: str, quick: bool) -> dict:
             y = model(x, training=True)
             y = tf.cast(y["sequence_output"] if isinstance(y, dict) else y, tf.float32)
             loss = tf.reduce_sum(y * tf.random.stateless_normal(tf.shape(y), [7, 8]))
+            loss += sum(model.losses)  # Mixtral's router losses, as `fit` adds them
         grads = tape.gradient(loss, model.trainable_variables)
         return [tf.convert_to_tensor(g) for g in grads if g is not None]
 

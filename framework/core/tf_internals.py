@@ -140,12 +140,25 @@ def tf_variable(variable) -> tf.Variable:
     return variable._value if isinstance(variable, keras.Variable) else variable
 
 
-def keras_added_losses(layer) -> int:
-    """How many losses `layer` and its sublayers hold from `add_loss` (activity regularizers
-    included) in this call; 0 for a Keras operation that is not a layer."""
-    if not hasattr(layer, "_flatten_layers"):
-        return 0
-    return sum(len(getattr(x, "_losses", ())) for x in layer._flatten_layers(include_self=True))
+def keras_loss_lists(layers) -> list[list]:
+    """The lists Keras' `add_loss` appends to while `layers` run (activity regularizers' losses
+    included): the layers' and their sublayers' own, each once, and the stateless scope's when
+    one that collects losses is active. Keras operations that are not layers have none."""
+    from keras.src.backend.common import stateless_scope
+
+    lists: list[list] = []
+    for layer in layers:
+        if not hasattr(layer, "_flatten_layers"):
+            continue
+        for sublayer in layer._flatten_layers(include_self=True):
+            losses = getattr(sublayer, "_losses", None)
+            if isinstance(losses, list) and all(losses is not x for x in lists):
+                lists.append(losses)
+    if stateless_scope.in_stateless_scope():
+        scope = stateless_scope.get_stateless_scope()
+        if scope.collect_losses:
+            lists.append(scope.losses)
+    return lists
 
 
 def create_keras_global_seed_generator() -> None:

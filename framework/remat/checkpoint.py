@@ -112,15 +112,22 @@ class Checkpointed:
             a, kw = arguments.pack(tensors)
             return fn(*a, **kw)
 
-        layers = self._layers() if self._layers is not None else None
-        losses = _added_losses(layers)
-        results = self._run(call, arguments, state, layers)
-        if _added_losses(layers) != losses:
+        if self._layers is None:
+            return self._run(call, arguments, state, None)
+        layers = self._layers()
+        # Losses the layers add (add_loss, activity regularizers) are results of the region:
+        # the forward pass's reach the layers from outside it, so that the step differentiates
+        # them; the recomputation's are dropped.
+        losses = tf_internals.keras_loss_lists(layers)
+        held = sum(map(len, losses))
+        results, added = self._run(_collecting_losses(call, losses), arguments, state, layers)
+        for held_list, new in zip(losses, added, strict=True):
+            held_list.extend(new)
+        if sum(map(len, tf_internals.keras_loss_lists(layers))) != held + sum(map(len, added)):
             raise RematError(
-                f"Remat region {self.label!r} added losses (add_loss, activity_regularizer): a "
-                "loss computed inside a checkpointed region does not reach the step's gradient. "
-                "Leave this layer out of the checkpoint (`set_grad_checkpointing(model, "
-                "layers=...)`)."
+                f"Remat region {self.label!r} added losses to a layer built inside its call, "
+                "where the region cannot collect them: run the model once before the "
+                "checkpointed step, so that its layers are built."
             )
         return results
 
@@ -196,8 +203,19 @@ class Checkpointed:
         return layout.pack(results)
 
 
-def _added_losses(layers: list | None) -> int:
-    return sum(tf_internals.keras_added_losses(layer) for layer in layers or ())
+def _collecting_losses(call: Callable, losses: list[list]) -> Callable:
+    """`call`, returning `(results, added)`: `added` holds, per list of `losses`, the losses the
+    call appended to it, which it takes out again."""
+
+    def collect(tensors):
+        sizes = [len(x) for x in losses]
+        results = call(tensors)
+        added = [x[n:] for x, n in zip(losses, sizes)]
+        for x, n in zip(losses, sizes):
+            del x[n:]
+        return results, added
+
+    return collect
 
 
 def _unused(result: tf.Tensor) -> bool:

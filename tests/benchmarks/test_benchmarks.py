@@ -327,12 +327,12 @@ def test_text_resume_quick():
 
 def test_remat_user_models_quick(tmp_path):
     out = tmp_path / "remat_user_models.md"
-    run_benchmark("remat_user_models.py", "--quick", "--models=bert,mobilenetv3", f"--out={out}")
+    run_benchmark("remat_user_models.py", "--quick", "--models=mixtral,mobilenetv3", f"--out={out}")
     report = out.read_text()
     assert report.startswith("Command: `python benchmarks/remat_user_models.py --quick")
     rows = {line.split("|")[1].strip(): line for line in report.splitlines() if "| " in line}
-    assert "Segment" not in rows["bert"] and "Segments" in rows["mobilenetv3"], report
-    for name in ("bert", "mobilenetv3"):
+    assert "Segment" not in rows["mixtral"] and "Segments" in rows["mobilenetv3"], report
+    for name in ("mixtral", "mobilenetv3"):  # Mixtral's blocks add losses: regions' results
         error = float(rows[name].strip("|").split("|")[-1])
         assert error < 1e-4, report
 

@@ -6,8 +6,6 @@ they run. Each case compares with the same layer called plainly, variables and s
 
 from __future__ import annotations
 
-import functools
-
 import keras
 import numpy as np
 import pytest
@@ -45,15 +43,15 @@ def gradients(layer, x, extra=()):
     return tape.gradient(loss, [x, *extra, *layer.trainable_variables])
 
 
-def both(layer, run):
-    """`run()` plainly and with `layer` checkpointed, from the same variables and seeds; returns
-    (plain, remat) results, and the layer's variables after each."""
+def both(layer, run, policy: str = "nothing_saveable"):
+    """`run()` plainly and with `layer` checkpointed with `policy`, from the same variables and
+    seeds; returns (plain, remat) results, and the layer's variables after each."""
     start = [v.numpy() for v in layer.variables]
     want = run()
     after_plain = [v.numpy() for v in layer.variables]
     for v, value in zip(layer.variables, start):
         v.assign(value)
-    remat.checkpoint(layer)
+    remat.checkpoint(layer, policy)
     layer.calls.clear()
     try:
         got = run()
@@ -262,21 +260,36 @@ def test_unseeded_keras_random_on_the_first_call():
     assert_close(got, gradients(layer, x))
 
 
-@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
 @pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable"])
-def test_added_losses_are_an_error(mode, policy):
-    """In every path (untraced, traced eagerly, in a tf.function)."""
+def test_added_losses_reach_the_gradient(mode, policy):
+    """A loss the layer adds and its sublayer's activity regularizer, in every path (untraced,
+    traced eagerly, in a tf.function): the step differentiates them as without remat, and the
+    layer holds the forward pass's losses alone."""
 
     def regularized(self, x):
-        y = self.dense(x)
-        self.add_loss(tf.reduce_sum(y**2))
-        return y
+        y = self.drop(self.dense(x), training=True)
+        self.add_loss(tf.reduce_sum(tf.sin(y) ** 2))
+        return self.norm(y, training=True)
 
     layer = built(regularized)
-    remat.checkpoint(layer, policy)
-    step = functools.partial(gradients, layer)
-    with pytest.raises(remat.RematError, match="added losses"):
-        (step if mode == "eager" else tf.function(step))(rand(3, 4))
+    layer.dense.activity_regularizer = keras.regularizers.L2(0.5)
+    x = rand(3, 4)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+            losses = [tf.identity(loss) for loss in layer.losses]
+            total = tf.reduce_sum(y**2) + tf.add_n(losses)
+        return tape.gradient(total, [x, *layer.trainable_variables]), losses
+
+    def run():  # traced afresh for each setting
+        return (step if mode == "eager" else tf.function(step, jit_compile=mode == "xla"))(x)
+
+    want, got = both(layer, run, policy)
+    assert len(got[1]) == len(want[1]) == 2
+    assert_close(got, want)
 
 
 def test_variables_created_in_the_call_are_an_error():

@@ -51,6 +51,13 @@ def _hub(name: str, dropout: float = 0.2):
             num_heads=2, max_sequence_length=16, dropout=dropout, **text
         )
         return model, {**_tokens(), "segment_ids": tf.zeros((2, 8), tf.int32)}
+    if name == "mixtral":  # its blocks add the router's load-balancing loss (add_loss)
+        model = keras_hub.models.MixtralBackbone(
+            vocabulary_size=50, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+            hidden_dim=16, intermediate_dim=32, num_experts=4, top_k=2, dropout=dropout,
+            router_aux_loss_coef=1.0,
+        )  # fmt: skip
+        return model, _tokens()
     model = keras_hub.models.GPT2Backbone(
         num_heads=2, max_sequence_length=16, dropout=dropout, **text
     )
@@ -80,14 +87,16 @@ def _compiled(step, mode: str):
 
 
 def _run(model, x, mode: str):
-    """Gradients of a fixed random projection of the output, and the variables after the step;
-    every variable is put back as it was before."""
+    """Gradients of a fixed random projection of the output plus the losses the model added (as
+    `fit` adds them), and the variables after the step; every variable is put back as it was
+    before."""
     start = [v.numpy() for v in model.variables]
 
     def step(x):
         with tf.GradientTape() as tape:
             y = _output(model(x, training=True))
             loss = tf.reduce_sum(y * tf.random.stateless_normal(tf.shape(y), [7, 8]))
+            loss += sum(model.losses)
         grads = tape.gradient(loss, model.trainable_variables)
         return [None if g is None else tf.convert_to_tensor(g) for g in grads]
 
@@ -138,7 +147,7 @@ def _check(model, x, mode: str, tol: float = 1e-5, **remat_kwargs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", ["vit", "bert", "gpt2", "gemma"])
+@pytest.mark.parametrize("name", ["vit", "bert", "gpt2", "gemma", "mixtral"])
 def test_keras_hub_backbones_match_no_remat(name, mode):
     model, x = _hub(name)
     model(x)
@@ -225,6 +234,39 @@ def test_segments_of_a_chain_every_and_saving(tmp_path):
     assert len(chosen) == 4 and segments.installed(resnet) == chosen
     assert remat.set_grad_checkpointing(resnet, enable=False) == []
     assert segments.installed(resnet) == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fit_through_segments_with_activity_regularizers_matches_no_remat(mode):
+    """Losses the segments' layers add are results of the regions: `fit` differentiates them."""
+
+    def chain():
+        keras.utils.set_random_seed(0)
+        layers = [keras.Input((8,))]
+        for i in range(8):
+            regularizer = keras.regularizers.L2(0.1) if i % 3 == 0 else None
+            layers.append(keras.layers.Dense(8, "tanh", activity_regularizer=regularizer))
+            layers.append(keras.layers.Dropout(0.3, seed=i))
+        return keras.Sequential([*layers, keras.layers.Dense(1)])
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=(16, 1)).astype(np.float32)
+    results = []
+    for checkpointed in (False, True):
+        model = chain()
+        if checkpointed:
+            assert len(remat.set_grad_checkpointing(model)) == 4
+            counts = _count_runs(model)
+        model.compile(
+            keras.optimizers.SGD(0.1), "mse", run_eagerly=mode == "eager", jit_compile=mode == "xla"
+        )
+        history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        results.append((model.get_weights(), history.history["loss"]))
+    assert all(c[0] >= 2 for c in counts), [c[0] for c in counts]
+    (want, want_loss), (got, got_loss) = results
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
 def test_other_callers_of_a_segmented_graph_get_keras_own_runner():
