@@ -142,10 +142,8 @@ def tf_variable(variable) -> tf.Variable:
 
 def keras_loss_lists(layers) -> list[list]:
     """The lists Keras' `add_loss` appends to while `layers` run (activity regularizers' losses
-    included): the layers' and their sublayers' own, each once, and the stateless scope's when
-    one that collects losses is active. Keras operations that are not layers have none."""
-    from keras.src.backend.common import stateless_scope
-
+    included): the layers' and their sublayers' own, each once. Keras operations that are not
+    layers have none."""
     lists: list[list] = []
     for layer in layers:
         if not hasattr(layer, "_flatten_layers"):
@@ -154,11 +152,18 @@ def keras_loss_lists(layers) -> list[list]:
             losses = getattr(sublayer, "_losses", None)
             if isinstance(losses, list) and all(losses is not x for x in lists):
                 lists.append(losses)
-    if stateless_scope.in_stateless_scope():
-        scope = stateless_scope.get_stateless_scope()
-        if scope.collect_losses:
-            lists.append(scope.losses)
     return lists
+
+
+def keras_stateless_losses() -> list | None:
+    """The list `add_loss` appends to instead of the layers' own inside a stateless scope that
+    collects losses (`stateless_call(..., return_losses=True)`), or None outside one."""
+    from keras.src.backend.common import stateless_scope
+
+    if not stateless_scope.in_stateless_scope():
+        return None
+    scope = stateless_scope.get_stateless_scope()
+    return scope.losses if scope.collect_losses else None
 
 
 def create_keras_global_seed_generator() -> None:

@@ -114,15 +114,24 @@ class Checkpointed:
 
         if self._layers is None:
             return self._run(call, arguments, state, None)
-        layers = self._layers()
+        # The layers it runs: its own, and any passed to it (a shared layer).
+        layers = self._layers() + [x for x in arguments.flat if isinstance(x, keras.layers.Layer)]
         # Losses the layers add (add_loss, activity regularizers) are results of the region:
         # the forward pass's reach the layers from outside it, so that the step differentiates
         # them; the recomputation's are dropped.
         losses = tf_internals.keras_loss_lists(layers)
         held = sum(map(len, losses))
+        stateless = tf_internals.keras_stateless_losses()
+        held_statelessly = len(stateless or ())
         results, added = self._run(_collecting_losses(call, losses), arguments, state, layers)
         for held_list, new in zip(losses, added, strict=True):
             held_list.extend(new)
+        if len(stateless or ()) != held_statelessly:
+            raise RematError(
+                f"Remat region {self.label!r} added losses in a stateless scope "
+                "(`stateless_call(..., return_losses=True)`), which it cannot hand on: call the "
+                "model itself, or leave this layer out of the checkpoint."
+            )
         if sum(map(len, tf_internals.keras_loss_lists(layers))) != held + sum(map(len, added)):
             raise RematError(
                 f"Remat region {self.label!r} added losses to a layer built inside its call, "

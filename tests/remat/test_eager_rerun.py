@@ -292,6 +292,55 @@ def test_added_losses_reach_the_gradient(mode, policy):
     assert_close(got, want)
 
 
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable"])
+def test_losses_of_a_layer_passed_in_reach_the_gradient(mode, policy):
+    """A shared layer handed to the checkpointed one as an argument, regularized."""
+
+    class Sharing(Layer):
+        def call(self, x, shared=None, training=None):
+            self.calls.append(tf.executing_eagerly())
+            return self.dense(shared(x))
+
+    class Model(keras.Model):  # tracks both: its calls clear their losses
+        def __init__(self):
+            super().__init__()
+            self.shared = keras.layers.Dense(4, activity_regularizer=keras.regularizers.L2(1.0))
+            self.block = Sharing(body=None)
+
+        def call(self, x, training=None):
+            return self.block(x, shared=self.shared, training=training)
+
+    model, x = Model(), rand(3, 4)
+    model(x)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            total = tf.reduce_sum(model(x, training=True)) + tf.add_n(model.losses)
+        return tape.gradient(total, model.trainable_variables)
+
+    def run():
+        return (step if mode == "eager" else tf.function(step))(x)
+
+    want, got = both(model.block, run, policy)
+    assert_close(got, want)
+
+
+def test_losses_added_in_a_stateless_scope_are_an_error():
+    def regularized(self, x):
+        y = self.dense(x)
+        self.add_loss(tf.reduce_sum(y**2))
+        return y
+
+    layer = built(regularized)
+    remat.checkpoint(layer, "dots_saveable")
+    values = [v.value for v in layer.trainable_variables]
+    others = [v.value for v in layer.non_trainable_variables]
+    with tf.GradientTape() as tape, pytest.raises(remat.RematError, match="stateless scope"):
+        tape.watch(values)
+        layer.stateless_call(values, others, rand(3, 4), return_losses=True)
+
+
 def test_variables_created_in_the_call_are_an_error():
     """A sublayer first called (so built) inside the checkpointed call."""
     layer = built(lambda self, x: x if self.closure is None else self.norm(x, training=True))
