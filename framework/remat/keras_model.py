@@ -61,14 +61,23 @@ def _top_most(model: keras.Layer, chosen: Callable[[keras.Layer], bool]) -> list
 def repeated_blocks(model: keras.Layer) -> list[keras.Layer]:
     """The default choice: the model's repeated blocks.
 
-    A block class has weights, layers of its own and at least two instances in the model; a
-    class of which some instance sits inside another block class is a part of a block (the Dense
-    layers of a transformer block), not a block. The top-most instances of the block classes are
+    A block class has weights, layers of its own and at least two instances in the model, or
+    one instance called at least twice in a functional graph (ALBERT's shared layer); a class of
+    which some instance sits inside another block class is a part of a block (the Dense layers
+    of a transformer block), not a block. The top-most instances of the block classes are
     returned. One of Keras' own layers without layers inside (Conv2D, Dense) is no block:
     checkpointed alone, it keeps its input and recomputes one op.
     """
     with_weights = [layer for layer in _all_layers(model) if layer.weights]
-    counts = collections.Counter(type(layer) for layer in with_weights)
+    calls = collections.Counter(
+        id(node.operation)
+        for functional in [model, *_all_layers(model)]
+        if tf_internals.is_functional(functional)
+        for node in tf_internals.functional_graph(functional).nodes
+    )
+    counts = collections.Counter()
+    for layer in with_weights:
+        counts[type(layer)] += max(1, calls[id(layer)])
     repeated = {cls for cls, n in counts.items() if n >= 2}
     parts = set()
     for layer in with_weights:
@@ -185,10 +194,11 @@ def set_grad_checkpointing(
       policy: what each block keeps for the backward pass (see `remat.policies`).
       layers: which layers become checkpointed regions. Default: the model's repeated blocks, the
         top-most layers with layers of their own whose class has weights and appears at least
-        twice, and the layers that loop over blocks themselves (`ScannedBlocks`: each step of the
-        loop is a region); a functional model whose graph has more than twice as many segments
-        as it has such blocks (keras.applications: its blocks are wired in the graph) gets
-        segments of its layer graph instead (see `every`). Otherwise layer names, layer
+        twice (two instances, or one called twice in a functional graph), and the layers that
+        loop over blocks themselves (`ScannedBlocks`: each step of the loop is a region); a
+        functional model whose graph has more than twice as many segments as it has such blocks
+        (keras.applications: its blocks are wired in the graph) gets segments of its layer graph
+        instead (see `every`). Otherwise layer names, layer
         classes, a list mixing both, or a predicate `layer -> bool`; the top-most matching
         layers are used (a match's own sublayers are inside its region already). A selection
         that matches nothing is a `ValueError`; single layers warn (`RematSavesNothingWarning`).
