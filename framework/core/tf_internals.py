@@ -509,12 +509,34 @@ def keras_call_state_entered(state: KerasCallState):
             global_state.set_global_attribute(name, value)
 
 
-def keras_layer_path() -> tuple[str, ...]:
-    """The names of the Keras layers being called in this thread, outermost first."""
+def _keras_name_scopes() -> list:
     from keras.src.backend.common import global_state
 
-    stack = global_state.get_global_attribute("name_scope_stack") or ()
-    return tuple(scope.name for scope in stack)
+    return list(global_state.get_global_attribute("name_scope_stack") or ())
+
+
+def keras_current_layer():
+    """The innermost Keras layer being called in this thread, or None."""
+    scopes = _keras_name_scopes()
+    return scopes[-1].caller if scopes else None
+
+
+def keras_layer_path(start: int = 0, holder=None) -> tuple[str, ...]:
+    """The Keras layers being called in this thread from the `start`-th on, outermost first, by
+    name; a layer that the layer calling it does not hold (one made inside that call, as
+    keras-hub's Flux blocks make their activations: it gets a new name at every call) by its
+    class, as `<new Class>`. The first one's caller is `holder` when given (a recomputation runs
+    outside the call that held it)."""
+    scopes = _keras_name_scopes()
+    parent = holder if holder is not None else (scopes[start - 1].caller if start else None)
+    path = []
+    for scope in scopes[start:]:
+        caller = scope.caller
+        held = not hasattr(parent, "_layers") or caller is None
+        held = held or any(caller is x for x in parent._layers)
+        path.append(scope.name if held else f"<new {type(caller).__name__}>")
+        parent = caller
+    return tuple(path)
 
 
 def keras_mask(tensor):

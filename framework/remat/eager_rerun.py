@@ -65,7 +65,13 @@ class _Op:
 class _Pass:
     """One pass of a region (the forward pass, or the recomputation checked against it)."""
 
-    def __init__(self, label: str, tensors: list[tf.Tensor], expected: list[_Op] | None = None):
+    def __init__(
+        self,
+        label: str,
+        tensors: list[tf.Tensor],
+        expected: list[_Op] | None = None,
+        holder=None,
+    ):
         self.label = label
         self.expected = expected  # None: this is the forward pass, which records
         self.ops: list[_Op] = []
@@ -78,13 +84,15 @@ class _Pass:
         self.created_variables = False
         self.nested = 0  # > 0 while a nested checkpoint runs
         self._depth = len(tf_internals.keras_layer_path())
+        # The layer the forward pass runs in; the recomputation runs outside it.
+        self.holder = tf_internals.keras_current_layer() if holder is None else holder
 
     def see(self, op_type: str, inputs, attrs, outputs) -> None:
         if self.expected is None:
             self._note_effects(op_type, inputs, attrs, outputs)
         if self.nested:
             return
-        layers = tf_internals.keras_layer_path()[self._depth :]
+        layers = tf_internals.keras_layer_path(self._depth, self.holder)
         if tf_internals.is_eager_function(op_type):
             # Under a tape, TensorFlow calls another variant of a tf.function, with more outputs.
             op = _Op("tf.function", (), (), layers)
@@ -272,7 +280,7 @@ def call(
         inputs = [tf.identity(t) for t in tensors]  # watched apart from the caller's
         watched = [t for t in inputs if differentiable(t)] + closures + variables
         # Checked op by op when it runs eagerly; a forward-mode accumulator traces it instead.
-        recomputation = _Pass(label, inputs, expected=expected)
+        recomputation = _Pass(label, inputs, expected=expected, holder=forward.holder)
         checking = _running(recomputation) if tf_internals.executing_eagerly() else None
         try:
             with tf.GradientTape(watch_accessed_variables=False) as tape:

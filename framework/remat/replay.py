@@ -125,12 +125,15 @@ class Region:
         self._cursor = 0
         self._random_values = RandomValues()
         self._producers: dict = {}  # recorded tensor -> its op's entry (`_Entry.read`)
+        self._holder = None  # the Keras layer the forward pass ran in
 
     @contextlib.contextmanager
     def _active(self, built: Pass, dep: tf.Tensor) -> Iterator[None]:
         self.graph = tf.compat.v1.get_default_graph()
         self._pass, self.dep = built, dep
         self._depth = len(tf_internals.keras_layer_path())
+        if built is Pass.RECORD:  # the layer the region runs in; the recomputation runs outside it
+            self._holder = tf_internals.keras_current_layer()
         try:
             with op_callbacks.active(self):
                 yield
@@ -236,7 +239,9 @@ class Region:
             tie_seeds(op, self.dep)
         state = tf_internals.keras_call_state()
         context = None if state.context is None else tuple((k, _plain(v)) for k, v in state.context)
-        site = _Site(tf_internals.keras_layer_path()[self._depth :], context, state.autocast)
+        site = _Site(
+            tf_internals.keras_layer_path(self._depth, self._holder), context, state.autocast
+        )
         if recording:
             self._record(info, site, op, outputs)
             return None

@@ -277,6 +277,26 @@ def test_fit_through_segments_with_activity_regularizers_matches_no_remat(mode):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_blocks_that_make_a_layer_in_their_call_match_no_remat(mode):
+    """keras-hub's Flux blocks make an Activation layer at every call: the recomputation's has
+    another name, and is the same computation."""
+
+    class Block(keras.layers.Layer):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(8)
+            self.drop = keras.layers.Dropout(0.3)
+
+        def call(self, x, training=None):
+            return self.drop(self.dense(keras.layers.Activation("silu")(x)), training=training)
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), Block(), Block()])
+    x = tf.random.stateless_normal((2, 8), [1, 2])
+    _check(model, x, mode)
+
+
 def test_other_callers_of_a_segmented_graph_get_keras_own_runner():
     model = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8) for _ in range(8)])
     assert len(remat.set_grad_checkpointing(model)) >= 2
