@@ -198,7 +198,8 @@ def set_grad_checkpointing(
         loop over blocks themselves (`ScannedBlocks`: each step of the loop is a region); a
         functional model whose graph has more than twice as many segments as it has such blocks
         (keras.applications: its blocks are wired in the graph) gets segments of its layer graph
-        instead (see `every`). Otherwise layer names, layer
+        instead - or of a backbone's, a functional model it runs as one layer, when that has
+        more (see `every`). Otherwise layer names, layer
         classes, a list mixing both, or a predicate `layer -> bool`; the top-most matching
         layers are used (a match's own sublayers are inside its region already). A selection
         that matches nothing is a `ValueError`; single layers warn (`RematSavesNothingWarning`).
@@ -242,9 +243,9 @@ def _install(
         return _install_segments(model, resolved, _segments_every(model, every), asked=True)
     chosen = _select(model, layers)
     if layers is None and tf_internals.is_functional(model):
-        found = segments.segments(model)
+        graph, found = _most_segments(model)
         if not chosen or len(found) > 2 * len(chosen):  # blocks wired in the graph
-            return _install_segments(model, resolved, found, asked=False)
+            return _install_segments(model, resolved, found, asked=False, graph=graph)
     if not chosen and layers is None:
         raise ValueError(
             f"Model {model.name!r} has no repeated block (a layer class with weights and layers "
@@ -281,7 +282,18 @@ def _segments_every(model: keras.Layer, every: int) -> list[segments.Segment]:
     return segments.segments(model, every)
 
 
-def _install_segments(model, policy, found: list, asked: bool) -> list[segments.Segment]:
+def _most_segments(model: keras.Model) -> tuple[keras.Model, list[segments.Segment]]:
+    """The functional graph to cut - the model's own, or that of a functional model it runs as
+    one layer (a backbone under a task's head), whichever has more segments - and its
+    segments."""
+    candidates = [model] + [c for c in _children(model) if tf_internals.is_functional(c)]
+    return max(((c, segments.segments(c)) for c in candidates), key=lambda x: len(x[1]))
+
+
+def _install_segments(
+    model, policy, found: list, asked: bool, graph: keras.Model | None = None
+) -> list[segments.Segment]:
+    """Checkpoints `found`, segments of the functional `graph` (default: the model's own)."""
     if len(found) < 2:
         message = (
             f"Model {model.name!r}'s layer graph has no place where one tensor carries "
@@ -295,6 +307,6 @@ def _install_segments(model, policy, found: list, asked: bool) -> list[segments.
         _remove(model)
         return []
     _remove(model)
-    segments.install(model, found, policy)
+    segments.install(model if graph is None else graph, found, policy)
     _reset_compiled_functions(model)
     return found

@@ -123,9 +123,10 @@ def _relative_error(got: list, want: list) -> float:
 def _count_runs(model) -> list:
     """Counters of each checkpointed region's Python runs (forward pass and recomputation)."""
     regions = [layer.call for layer in remat.checkpointed_layers(model)]
-    runner = tf_internals.functional_runner(model)
-    if isinstance(runner, segments.SegmentedGraph):
-        regions += [region for _, region in runner._plan if region is not None]
+    for graph in [model, *model._flatten_layers(include_self=False)]:  # nested: a backbone
+        runner = tf_internals.is_functional(graph) and tf_internals.functional_runner(graph)
+        if isinstance(runner, segments.SegmentedGraph):
+            regions += [region for _, region in runner._plan if region is not None]
     counts = []
     for region in regions:
         counts.append([0])
@@ -295,6 +296,22 @@ def test_blocks_that_make_a_layer_in_their_call_match_no_remat(mode):
     model = keras.Sequential([keras.Input((8,)), Block(), Block()])
     x = tf.random.stateless_normal((2, 8), [1, 2])
     _check(model, x, mode)
+
+
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+def test_a_backbone_under_a_new_head_gets_the_segments(mode):
+    """A functional backbone run as one layer of the model (keras-hub's image classifiers,
+    fine-tuning keras.applications): its graph is cut, not the model's two nodes."""
+    keras.utils.set_random_seed(0)
+    backbone = keras.applications.MobileNetV3Small(
+        weights=None, include_top=False, input_shape=(32, 32, 3)
+    )
+    x = tf.random.stateless_normal((2, 32, 32, 3), [5, 6])
+    inputs = keras.Input((32, 32, 3))
+    features = keras.layers.GlobalAveragePooling2D()(backbone(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Dropout(0.2)(features)))
+    regions = _check(model, x, mode, tol=APPLICATIONS_TOL)
+    assert regions == segments.installed(backbone) and len(regions) >= 5
 
 
 def test_other_callers_of_a_segmented_graph_get_keras_own_runner():
