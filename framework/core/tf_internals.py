@@ -515,6 +515,11 @@ def _keras_name_scopes() -> list:
     return list(global_state.get_global_attribute("name_scope_stack") or ())
 
 
+def keras_layer_depth() -> int:
+    """How many Keras layer calls (name scopes) are open in this thread."""
+    return len(_keras_name_scopes())
+
+
 def keras_current_layer():
     """The innermost Keras layer being called in this thread, or None."""
     scopes = _keras_name_scopes()

@@ -83,7 +83,7 @@ class _Pass:
         self.unseen_reads: set[int] = set()  # handles a tf.function got before any known value
         self.created_variables = False
         self.nested = 0  # > 0 while a nested checkpoint runs
-        self._depth = len(tf_internals.keras_layer_path())
+        self._depth = tf_internals.keras_layer_depth()
         # The layer the forward pass runs in; the recomputation runs outside it.
         self.holder = tf_internals.keras_current_layer() if holder is None else holder
 

@@ -68,10 +68,11 @@ def repeated_blocks(model: keras.Layer) -> list[keras.Layer]:
     returned. One of Keras' own layers without layers inside (Conv2D, Dense) is no block:
     checkpointed alone, it keeps its input and recomputes one op.
     """
-    with_weights = [layer for layer in _all_layers(model) if layer.weights]
+    everything = [model, *_all_layers(model)]
+    with_weights = [layer for layer in everything[1:] if layer.weights]
     calls = collections.Counter(
         id(node.operation)
-        for functional in [model, *_all_layers(model)]
+        for functional in everything
         if tf_internals.is_functional(functional)
         for node in tf_internals.functional_graph(functional).nodes
     )
@@ -199,10 +200,10 @@ def set_grad_checkpointing(
         functional model whose graph has more than twice as many segments as it has such blocks
         (keras.applications: its blocks are wired in the graph) gets segments of its layer graph
         instead - or of a backbone's, a functional model it runs as one layer, when that has
-        more (see `every`). Otherwise layer names, layer
-        classes, a list mixing both, or a predicate `layer -> bool`; the top-most matching
-        layers are used (a match's own sublayers are inside its region already). A selection
-        that matches nothing is a `ValueError`; single layers warn (`RematSavesNothingWarning`).
+        more (see `every`). Otherwise layer names, layer classes, a list mixing both, or a
+        predicate `layer -> bool`; the top-most matching layers are used (a match's own
+        sublayers are inside its region already). A selection that matches nothing is a
+        `ValueError`; single layers warn (`RematSavesNothingWarning`).
       every: checkpoint a functional model's graph in segments of `every` blocks (spans between
         tensors through which the whole graph passes, such as a residual block's output; see
         `remat.segments`), instead of layers. Default 1 when the model gets segments.

@@ -131,7 +131,7 @@ class Region:
     def _active(self, built: Pass, dep: tf.Tensor) -> Iterator[None]:
         self.graph = tf.compat.v1.get_default_graph()
         self._pass, self.dep = built, dep
-        self._depth = len(tf_internals.keras_layer_path())
+        self._depth = tf_internals.keras_layer_depth()
         if built is Pass.RECORD:  # the layer the region runs in; the recomputation runs outside it
             self._holder = tf_internals.keras_current_layer()
         try:
