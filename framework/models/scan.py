@@ -19,6 +19,7 @@ move between the two layouts (and a checkpoint of one can be restored into a mod
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import keras
@@ -90,7 +91,12 @@ class ScannedBlocks(keras.layers.Layer):
         template = self.template
         trainable = list(slices[: len(template.trainable_variables)])
         non_trainable = list(slices[len(template.trainable_variables) :])
-        return template.stateless_call(trainable, non_trainable, x, training=training, **kwargs)
+        # `stateless_call` runs `call` itself: a block whose call takes no `training` leaves it
+        # to its sublayers, which read it from the call context, as under Keras' `__call__`.
+        parameters = inspect.signature(template.call).parameters.values()
+        if any(p.name == "training" or p.kind is p.VAR_KEYWORD for p in parameters):
+            kwargs["training"] = training
+        return template.stateless_call(trainable, non_trainable, x, **kwargs)
 
     def _ordered(self) -> tuple[list, list]:
         """The stacked variables in the template's order: trainable ones, then the others."""

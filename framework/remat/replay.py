@@ -57,6 +57,9 @@ _CALL_OPS = frozenset(
     }
 )
 _NEVER_SAVED = frozenset({"ReadVariableOp", "VarHandleOp", "IdentityN"})
+# The key and counter TensorFlow derives from a random op's seed: three words, which XLA
+# expands into about 500 scalar ops per derivation (half of a Keras-dropout ViT's program).
+_KEY_OPS = frozenset({"StatelessRandomGetKeyCounter"})
 
 
 class Pass(enum.Enum):
@@ -115,9 +118,13 @@ class _Entry:
 class Region:
     """The recorded forward pass of one call of a checkpointed region."""
 
-    def __init__(self, policy: Policy, label: str):
+    def __init__(self, policy: Policy, label: str, keep_random_keys: bool = True):
+        """`keep_random_keys`: keep the random ops' keys whatever the policy, so the
+        recomputation does not derive them again; a loop's step, compiled once whatever the
+        loop's length, has little to gain from it."""
         self.policy = policy
         self.label = label
+        self.keep_random_keys = keep_random_keys
         self.entries: list[_Entry] = []
         self.graph: tf.Graph | None = None  # top level of the pass being built
         self.dep: tf.Tensor | None = None  # the zero tied to the pass being built
@@ -265,7 +272,9 @@ class Region:
         entry = _Entry(info, site, origin, read=reads_outputs)
         for t in (*outputs, *op.outputs):
             self._producers[t.ref()] = entry
-        if (
+        if self.keep_random_keys and info.op_type in _KEY_OPS:
+            entry.saved = tuple(outputs)
+        elif (
             outputs
             and info.op_type not in _NEVER_SAVED
             and not is_random_op(info.op_type)
@@ -301,8 +310,10 @@ class Region:
             return None
         graph = op.graph
         with graph.as_default(), tf_internals.stop_recording():
-            dep = in_graph(self.dep, graph)
-            kept = [with_dep(in_graph(k, graph), dep) for k in entry.kept]
+            kept = [in_graph(k, graph) for k in entry.kept]
+            if expected.op_type not in _KEY_OPS:  # a draw ties the key it reads to the pass
+                dep = in_graph(self.dep, graph)
+                kept = [with_dep(k, dep) for k in kept]
             return tuple(
                 unpack_bits(k, t.shape) if packable(t) else k
                 for k, t in zip(kept, outputs, strict=True)

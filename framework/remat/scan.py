@@ -76,7 +76,9 @@ def scan(
     policy = get_policy(policy)
     if not remat_is_on(policy):
         return _plain_loop(step, carry, xs, consts, length)
-    region = Region(policy, label)
+    # Kept keys would reach the backward loop through its state, where the TPU planner's
+    # lowering of auto-selected random ops cannot trace them to their seed.
+    region = Region(policy, label, keep_random_keys=False)
     call_state = tf_internals.keras_call_state()
     n_x, n_y = len(xs), []
 

@@ -14,6 +14,7 @@ from framework import memory, remat
 from framework.core import jax_internals
 from framework.core.tf_internals import hlo_pb2, xla_data_pb2
 from framework.memory import tpu
+from framework.models.scan import ScannedBlocks
 from tests.subprocesses import REPO_DIR, run_python
 
 BATCH, WIDTH = 16384, 1024
@@ -181,6 +182,38 @@ def test_dropout_in_a_loop_body_is_lowered_for_the_tpu():
     plan = memory.compiled_bytes(step, tf.TensorSpec([256, WIDTH]), target="v5e")
     assert plan.compiler.startswith("TPU v5e") and plan.parameter_bytes > 0
     assert _padded_random_buffers(plan) == []
+
+
+class _BuiltMlp(ResidualMlp):
+    def build(self, input_shape):  # ScannedBlocks builds its template from the input shape
+        self.up.build(input_shape)
+        self.down.build((*input_shape[:-1], 4 * WIDTH))
+
+
+@pytest.mark.parametrize("stack, draws", [("checkpointed", 8), ("scanned", 4)])
+def test_recomputed_draws_are_lowered_for_the_tpu(stack, draws):
+    """A recomputed draw reads the key kept from the forward pass (checkpointed blocks) or
+    derives it in the backward loop's step (a scanned stack, whose loop state the re-lowering
+    cannot see through): either way it is lowered as the forward pass's draws are."""
+    if stack == "checkpointed":
+        model = _mlp_stack(0.1)
+        remat.set_grad_checkpointing(model, policy="nothing_saveable")
+    else:
+        keras.utils.set_random_seed(0)
+        blocks = ScannedBlocks(lambda name: _BuiltMlp(0.1, name=name), 2, "nothing_saveable")
+        model = keras.Sequential([blocks])
+        model.build((None, WIDTH))
+    spec = tf.TensorSpec([8, WIDTH], tf.float32)
+    hlo = _sgd_step(model).experimental_get_compiler_ir(spec)(stage="hlo_serialized")
+    module = hlo_pb2.HloModuleProto.FromString(tpu.lower_random_for_tpu(hlo))
+    algorithms = [
+        xla_data_pb2.RandomAlgorithm.Name(i.rng_algorithm)
+        for c in module.computations
+        for i in c.instructions
+        if i.opcode == "rng-bit-generator"
+    ]
+    # Two dropout calls a block (one block a loop step), each drawn again in the recomputation.
+    assert algorithms == ["RNG_DEFAULT"] * draws
 
 
 @pytest.mark.tf_compat

@@ -343,3 +343,64 @@ def test_a_keras_hub_block_scanned_with_remat_matches_unrolled_in_every_mode_and
     for k, stacked in enumerate(trainable):
         for i, block in enumerate(blocks):
             np.testing.assert_allclose(stacked[i], block.trainable_variables[k], atol=1e-6)
+
+
+class _ContextBlock(keras.layers.Layer):
+    """A block whose call takes no `training`: its dropout reads it from the call context."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8)
+        self.dropout = keras.layers.Dropout(0.5, seed=3)
+
+    def build(self, input_shape):
+        self.dense.build(input_shape)
+
+    def call(self, x):
+        return x + self.dropout(tf.tanh(self.dense(x)))
+
+
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+def test_a_block_without_a_training_argument_reads_it_from_the_call_context(mode):
+    """Such a block scans as it runs unrolled: dropout on with `training=True` (the same masks,
+    gradients equal to the unrolled blocks'), off with `training=False`."""
+    keras.utils.set_random_seed(0)
+    blocks = [_ContextBlock(name=f"b{i}") for i in range(3)]
+    stack = scan.ScannedBlocks(lambda name: _ContextBlock(name=name), 3, "nothing_saveable")
+    x = tf.random.stateless_normal((4, 8), seed=[1, 2])
+    for block in blocks:
+        block(x)
+    stack(x)
+    scan.stack_weights(blocks, stack)
+    variables = [v for b in blocks for v in b.variables] + stack.variables
+    start = [v.numpy() for v in variables]
+
+    def unrolled(h, training):
+        for block in blocks:
+            h = block(h, training=training)
+        return h
+
+    def run(forward, training):
+        for variable, value in zip(variables, start, strict=True):
+            variable.assign(value)
+
+        def gradients(x):
+            with tf.GradientTape() as tape:
+                y = forward(x, training=training)
+                loss = tf.reduce_sum(y * y)
+            return y, tape.gradient(loss, [b.dense.kernel for b in blocks] + [stack.stacked[0]])
+
+        return tf.function(gradients, jit_compile=mode == "xla")(x)
+
+    y_unrolled, grads = run(unrolled, True)
+    y_scanned, scanned_grads = run(stack, True)
+    np.testing.assert_allclose(y_scanned, y_unrolled, rtol=1e-6)
+    assert np.mean(np.isclose(y_unrolled.numpy(), x.numpy())) > 0.3  # about half dropped
+    trainable, _ = stack._ordered()
+    assert trainable[0] is stack.stacked[0]  # the kernels
+    for i, want in enumerate(grads[:3]):
+        np.testing.assert_allclose(scanned_grads[-1][i], want, rtol=1e-5, atol=1e-6)
+    y_unrolled, _ = run(unrolled, False)
+    y_scanned, _ = run(stack, False)
+    np.testing.assert_allclose(y_scanned, y_unrolled, rtol=1e-6)
+    assert not np.any(np.isclose(y_unrolled.numpy(), x.numpy()))

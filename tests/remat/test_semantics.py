@@ -785,3 +785,55 @@ def test_xla_keeps_the_recomputation_when_the_upstream_gradient_is_constant():
     x = rand(8, 32)
     assert_close(step(remat.checkpoint)(x), step(plain)(x))
     assert _dots(step(remat.checkpoint), x) > _dots(step(plain), x)
+
+
+def _live_key_derivations(function) -> int:
+    """How many `StatelessRandomGetKeyCounter` ops of a traced step feed another op, in its
+    graph and the functions it calls (the recomputation's own derivation is left unused)."""
+    graph = function.get_concrete_function(rand(4, 8)).graph.as_graph_def()
+    live = 0
+    for nodes in [graph.node, *(f.node_def for f in graph.library.function)]:
+        derived = {n.name for n in nodes if n.op == "StatelessRandomGetKeyCounter"}
+        read = {i.lstrip("^").split(":")[0] for n in nodes for i in n.input}
+        live += len(derived & read)
+    return live
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_the_recomputation_draws_with_the_forward_pass_keys(jit):
+    """The key a random op derives from its seed is kept whatever the policy (three words; XLA
+    expands each derivation into hundreds of ops): the recomputed draw reads the forward pass's
+    key, the masks stay the same."""
+    keras.utils.set_random_seed(1)
+    dense, drop = keras.layers.Dense(8), keras.layers.Dropout(0.5, seed=3)
+    runs = []
+
+    def make(wrap):
+        def region(x):
+            runs.append(1)
+            return drop(tf.sin(dense(drop(x, training=True))), training=True)
+
+        return lambda x: tf.reduce_sum(wrap(region)(x) ** 2)
+
+    x = rand(4, 8)
+    make(plain)(x)
+    start = [v.numpy() for v in drop.variables]
+
+    def step(loss):
+        def run(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                value = loss(x)
+            return tape.gradient(value, [x, *dense.trainable_variables])
+
+        return tf.function(run, jit_compile=jit, autograph=False)
+
+    results = {}
+    for name, wrap in [("plain", plain), ("remat", remat.checkpoint)]:
+        for v, value in zip(drop.variables, start, strict=True):
+            v.assign(value)
+        function = step(make(wrap))
+        results[name] = function(x)
+        assert _live_key_derivations(function) == 2
+    assert len(runs) == 4  # the build, a trace of the plain step, two of the checkpointed one
+    assert_close(results["remat"], results["plain"])
