@@ -166,6 +166,14 @@ def keras_stateless_losses() -> list | None:
     return scope.losses if scope.collect_losses else None
 
 
+def keras_forget_losses(layer) -> None:
+    """Clears what `layer` and its sublayers remember of the losses they added: Keras does this
+    at the start of a model's outermost call. A layer that a caller runs by `stateless_call`
+    again and again outside any such call keeps the ids of earlier calls' losses, and a new
+    tensor given a recycled id would be counted as one of its losses."""
+    layer._clear_losses()
+
+
 def create_keras_global_seed_generator() -> None:
     """Creates Keras' global seed generator (unseeded `keras.random` calls draw from it) if it
     does not exist yet, so that its variable is not created inside a call."""

@@ -10,7 +10,8 @@ backward pass and recomputes a block's activations in the backward loop - the me
 The block runs through Keras' `stateless_call`, so it neither reads nor writes real variables
 inside the loop: its weights are slices of the stacked variables, and the new values of its
 non-trainable state (the dropout seed of each block) are collected and written back once after
-the loop.
+the loop. The losses a block adds (`add_loss`, activity and weight regularizers) are loop
+outputs too, summed over the blocks into the layer's own losses.
 
 Checkpoints: the stacked layout is its own (one variable per block variable, `[depth, ...]`).
 `stack_weights` and `unstack_weights` convert to and from a list of unrolled blocks, so weights
@@ -26,6 +27,7 @@ import keras
 import tensorflow as tf
 
 from framework import remat
+from framework.core import tf_internals
 
 
 class ScannedBlocks(keras.layers.Layer):
@@ -96,7 +98,8 @@ class ScannedBlocks(keras.layers.Layer):
         parameters = inspect.signature(template.call).parameters.values()
         if any(p.name == "training" or p.kind is p.VAR_KEYWORD for p in parameters):
             kwargs["training"] = training
-        return template.stateless_call(trainable, non_trainable, x, **kwargs)
+        tf_internals.keras_forget_losses(template)
+        return template.stateless_call(trainable, non_trainable, x, return_losses=True, **kwargs)
 
     def _ordered(self) -> tuple[list, list]:
         """The stacked variables in the template's order: trainable ones, then the others."""
@@ -114,12 +117,13 @@ class ScannedBlocks(keras.layers.Layer):
             values = list(flat)
             for k, c in zip(tensors, consts):
                 values[k] = c
-            y, new_states = self._step(
+            y, new_states, losses = self._step(
                 h, *slices, training=training, **tf.nest.pack_sequence_as(kwargs, values)
             )
-            return tf.ensure_shape(tf.cast(y, h.dtype), h.shape), list(new_states)
+            y = tf.ensure_shape(tf.cast(y, h.dtype), h.shape)
+            return y, [*new_states, *losses]
 
-        x, states = remat.scan(
+        x, ys = remat.scan(
             step,
             x,
             [tf.convert_to_tensor(v) for v in trainable + non_trainable],
@@ -127,8 +131,12 @@ class ScannedBlocks(keras.layers.Layer):
             policy=self.remat_policy,
             label=self.name,
         )
-        for variable, state in zip(non_trainable, states):
+        for variable, state in zip(non_trainable, ys):
             variable.assign(state)
+        # The blocks' losses (`add_loss`, activity and weight regularizers, the latter computed
+        # on each step's slice of the weights), one per block each, summed over the blocks.
+        for losses in ys[len(non_trainable) :]:
+            self.add_loss(tf.reduce_sum(losses, axis=0))
         return x
 
     def compute_output_shape(self, input_shape):

@@ -404,3 +404,147 @@ def test_a_block_without_a_training_argument_reads_it_from_the_call_context(mode
     y_scanned, _ = run(stack, False)
     np.testing.assert_allclose(y_scanned, y_unrolled, rtol=1e-6)
     assert not np.any(np.isclose(y_unrolled.numpy(), x.numpy()))
+
+
+class _LossBlock(keras.layers.Layer):
+    """A block that adds losses three ways: a weight regularizer, an activity regularizer and
+    `add_loss` (as a mixture-of-experts block adds its router's load-balancing loss)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(
+            8,
+            kernel_regularizer=keras.regularizers.L2(0.1),
+            activity_regularizer=keras.regularizers.L1(0.01),
+        )
+        self.dropout = keras.layers.Dropout(0.2, seed=3)
+
+    def build(self, input_shape):
+        self.dense.build(input_shape)
+
+    def call(self, x, training=None):
+        h = self.dropout(tf.tanh(self.dense(x)), training=training)
+        self.add_loss(tf.reduce_mean(h**2))
+        return x + h
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+@pytest.mark.parametrize("policy", [None, "nothing_saveable"])
+def test_the_blocks_losses_become_the_scanned_layers_losses(mode, policy):
+    """Each kind of loss the blocks add is one loss of the scanned layer, the sum over its
+    blocks: the same total and gradients as the unrolled blocks (dropout on), and `fit` (which
+    adds `model.losses`) ends on the same weights."""
+    keras.utils.set_random_seed(0)
+    blocks = [_LossBlock(name=f"b{i}") for i in range(3)]
+    stack = scan.ScannedBlocks(lambda name: _LossBlock(name=name), 3, policy)
+    unrolled, scanned = keras.Sequential(blocks), keras.Sequential([stack])
+    x = tf.random.stateless_normal((4, 8), seed=[1, 2])
+    unrolled(x), scanned(x)
+    scan.stack_weights(blocks, stack)
+    models = (unrolled, scanned)
+    start = [[v.numpy() for v in m.variables] for m in models]
+
+    def restore():
+        for model, values in zip(models, start, strict=True):
+            for variable, value in zip(model.variables, values, strict=True):
+                variable.assign(value)
+
+    def gradients(model):
+        def run(x):
+            with tf.GradientTape() as tape:
+                y = model(x, training=True)
+                losses = model.losses
+                loss = tf.reduce_sum(y) + tf.add_n(losses)
+            return loss, len(losses), tape.gradient(loss, model.trainable_variables)
+
+        return run if mode == "eager" else tf.function(run, jit_compile=mode == "xla")
+
+    restore()
+    loss_u, count_u, grads_u = gradients(unrolled)(x)
+    loss_s, count_s, grads_s = gradients(scanned)(x)
+    assert (count_u, count_s) == (9, 3)
+    np.testing.assert_allclose(loss_s, loss_u, rtol=1e-6)
+    trainable, _ = stack._ordered()
+    by_variable = {id(v): g for v, g in zip(scanned.trainable_variables, grads_s, strict=True)}
+    for k, stacked in enumerate(trainable):
+        for i in range(len(blocks)):
+            want = grads_u[i * len(trainable) + k]
+            np.testing.assert_allclose(by_variable[id(stacked)][i], want, rtol=1e-5, atol=1e-6)
+    if mode != "xla":
+        return
+    restore()
+    for model in models:
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
+        model.fit(x, tf.zeros_like(x), epochs=2, batch_size=4, verbose=0, shuffle=False)
+    for k, stacked in enumerate(trainable):
+        for i, block in enumerate(blocks):
+            np.testing.assert_allclose(stacked[i], block.trainable_variables[k], atol=1e-6)
+
+
+def test_eager_calls_after_calls_count_each_loss_once():
+    """The template block runs outside any model call of its own, so Keras never clears what it
+    remembers of earlier calls' losses; a new loss given the id of a freed one was counted twice
+    (9 different totals in 30 eager calls, measured) until each step clears it."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([scan.ScannedBlocks(lambda name: _LossBlock(name=name), 3)])
+    x = tf.random.stateless_normal((4, 8), seed=[1, 2])
+    model(x)
+    start = [v.numpy() for v in model.variables]
+    totals = set()
+    for _ in range(30):
+        for variable, value in zip(model.variables, start, strict=True):
+            variable.assign(value)
+        model(x, training=True)
+        assert len(model.losses) == 3
+        totals.add(float(tf.add_n(model.losses)))
+    assert len(totals) == 1, totals
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+def test_keras_hub_mixtral_blocks_scanned_keep_their_router_losses(mode):
+    """keras-hub's Mixtral decoder blocks add their router's load-balancing loss in `call`:
+    scanned, the loss total and the gradients equal the unrolled blocks' (dropout on)."""
+    import keras_hub
+
+    backbone = keras_hub.models.MixtralBackbone(
+        vocabulary_size=16, num_layers=1, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=32, num_experts=4, top_k=2,
+    )  # fmt: skip
+    decoder = type(backbone.transformer_layers[0])  # the class, by its public model
+
+    def make(name):
+        return decoder(
+            intermediate_dim=32, num_query_heads=2, num_key_value_heads=1, num_experts=4,
+            top_k=2, router_aux_loss_coef=1.0, dropout=0.1, name=name,
+        )  # fmt: skip
+
+    keras.utils.set_random_seed(0)
+    blocks = [make(f"b{i}") for i in range(3)]
+    stack = scan.ScannedBlocks(make, 3, "nothing_saveable")
+    unrolled, scanned = keras.Sequential(blocks), keras.Sequential([stack])
+    x = tf.random.stateless_normal((2, 8, 16), seed=[1, 2])
+    unrolled(x), scanned(x)
+    scan.stack_weights(blocks, stack)
+    results = []
+    for model in (unrolled, scanned):
+        keras.utils.set_random_seed(1)
+
+        def run(x, model=model):
+            with tf.GradientTape() as tape:
+                y = model(x, training=True)
+                router = tf.add_n(model.losses)
+                loss = tf.reduce_sum(y * y) + router
+            return router, loss, tape.gradient(loss, model.trainable_variables)
+
+        results.append(tf.function(run, jit_compile=mode == "xla")(x))
+    (router_u, loss_u, grads_u), (router_s, loss_s, grads_s) = results
+    assert float(router_u) > 0.1  # the coefficient is 1: a loss that moves the gradients
+    np.testing.assert_allclose(router_s, router_u, rtol=1e-5)
+    np.testing.assert_allclose(loss_s, loss_u, rtol=1e-5)
+    trainable, _ = stack._ordered()
+    by_variable = {id(v): g for v, g in zip(scanned.trainable_variables, grads_s, strict=True)}
+    for k, stacked in enumerate(trainable):
+        for i in range(3):
+            want = grads_u[i * len(trainable) + k]
+            np.testing.assert_allclose(by_variable[id(stacked)][i], want, rtol=1e-4, atol=1e-5)
