@@ -59,6 +59,12 @@ class ScannedBlocks(keras.layers.Layer):
         # step maps them to slices) and are kept out of the layer's tracking.
         template = self.make_block("block")
         template.build(input_shape)
+        if not template.variables:
+            raise ValueError(
+                f"ScannedBlocks stacks the variables a block makes in build(input_shape); "
+                f"{type(template).__name__}.build made none (the block makes them in its first "
+                "call), so it cannot be scanned: stack the blocks unrolled."
+            )
         object.__setattr__(self, "_template", template)
         initial = [self.make_block(f"init_{i}") for i in range(self.depth)]
         for block in initial:
@@ -91,6 +97,12 @@ class ScannedBlocks(keras.layers.Layer):
 
     def _step(self, x, *slices, training=None, **kwargs):
         template = self.template
+        if len(template.variables) != len(slices):
+            raise ValueError(
+                f"{type(template).__name__} made variables in its call that its build did not "
+                f"({len(slices)} stacked, {len(template.variables)} now); ScannedBlocks stacks "
+                "only what build(input_shape) makes, so the block cannot be scanned."
+            )
         trainable = list(slices[: len(template.trainable_variables)])
         non_trainable = list(slices[len(template.trainable_variables) :])
         # `stateless_call` runs `call` itself: a block whose call takes no `training` leaves it
@@ -109,6 +121,14 @@ class ScannedBlocks(keras.layers.Layer):
         return trainable, non_trainable
 
     def call(self, x, training=None, **kwargs):
+        built_from = inspect.signature(self.template.build).parameters
+        for name, value in kwargs.items():
+            if value is not None and f"{name}_shape" in built_from:
+                raise ValueError(
+                    f"ScannedBlocks builds its blocks from the input's shape alone, but "
+                    f"{type(self.template).__name__}.build also takes `{name}_shape` for the "
+                    f"`{name}` passed to the call (a cross-attention block): it cannot be scanned."
+                )
         trainable, non_trainable = self._ordered()
         flat = tf.nest.flatten(kwargs)
         tensors = [k for k, v in enumerate(flat) if isinstance(v, tf.Tensor)]
@@ -120,6 +140,12 @@ class ScannedBlocks(keras.layers.Layer):
             y, new_states, losses = self._step(
                 h, *slices, training=training, **tf.nest.pack_sequence_as(kwargs, values)
             )
+            if not tf.is_tensor(y):
+                raise ValueError(
+                    "ScannedBlocks carries one tensor from block to block; "
+                    f"{type(self.template).__name__}.call returned {type(y).__name__}: wrap the "
+                    "block in a layer whose call returns the tensor the next block reads."
+                )
             y = tf.ensure_shape(tf.cast(y, h.dtype), h.shape)
             return y, [*new_states, *losses]
 

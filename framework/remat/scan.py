@@ -75,7 +75,7 @@ def scan(
     length = int(xs[0].shape[0])
     policy = get_policy(policy)
     if not remat_is_on(policy):
-        return _plain_loop(step, carry, xs, consts, length)
+        return _plain_loop(step, carry, xs, consts, length, label)
     # Kept keys would reach the backward loop through its state, where the TPU planner's
     # lowering of auto-selected random ops cannot trace them to their seed.
     region = Region(policy, label, keep_random_keys=False)
@@ -132,7 +132,7 @@ def scan(
     return h, ys
 
 
-def _plain_loop(step, carry, xs, consts, length):
+def _plain_loop(step, carry, xs, consts, length, label):
     """The loop without remat: TensorFlow's own loop gradient keeps what the backward pass
     reads and nothing else (a region keeping every value would store each intermediate and stop
     XLA from fusing them)."""
@@ -148,6 +148,7 @@ def _plain_loop(step, carry, xs, consts, length):
         lambda h, *args: step(h, list(args[: len(xs)]), list(args[len(xs) :]))[1],
         *_step_specs(carry, xs, consts),
     )
+    _check_captures(probe, label)
     arrays = _arrays(probe.outputs, length)
     _, h, ys = tf.while_loop(
         lambda i, *_: i < length, body, (tf.constant(0), carry, arrays), maximum_iterations=length
@@ -272,13 +273,24 @@ def _arrays(tensors: Sequence[tf.Tensor], length: int) -> list[tf.TensorArray]:
 
 def _check_captures(function, label: str) -> None:
     """A step may close over constants only: a variable it read or a graph tensor it closed over
-    would get no gradient from this loop's gradient function."""
+    would get no gradient from this loop's gradient function, and a Keras layer's state updated
+    inside a `ScannedBlocks` step (its stateless call) would lose its update."""
+    variables = {id(v.handle): v for v in function.variables}
     for captured in function.captured_inputs:
         if captured.dtype == tf.resource or (
             tf.is_symbolic_tensor(captured) and differentiable(captured)
         ):
+            variable = variables.get(id(captured))
+            what = (
+                f"the variable {variable.name!r}"
+                if variable is not None
+                else f"a variable or a tensor ({captured.dtype.name}{list(captured.shape)})"
+            )
             raise RematError(
-                f"The steps of remat.scan {label!r} read a variable or close over a tensor "
-                f"({captured.dtype.name}{list(captured.shape)}) that would get no gradient: pass "
-                "it to remat.scan in `xs` (one slice per step) or `consts` (read whole)."
+                f"The steps of remat.scan {label!r} read {what}, which is not one of their "
+                "inputs: pass it to remat.scan in `xs` (one slice per step) or `consts` (read "
+                "whole). In ScannedBlocks, a block may read only its own variables: a seed "
+                "generator shared by several layers (Keras' global one, which a random op given "
+                "no seed draws from: a drop-path layer without a seed) would draw the same "
+                "values at every step; give the layer a seed of its own."
             )

@@ -548,3 +548,66 @@ def test_keras_hub_mixtral_blocks_scanned_keep_their_router_losses(mode):
         for i in range(3):
             want = grads_u[i * len(trainable) + k]
             np.testing.assert_allclose(by_variable[id(stacked)][i], want, rtol=1e-4, atol=1e-5)
+
+
+class _UnseededDropPath(keras.layers.Layer):
+    """Drops the whole residual branch per example with an unseeded draw, which reads Keras'
+    global seed generator (keras-hub's DINOv2 drop path does this)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8)
+
+    def build(self, input_shape):
+        self.dense.build(input_shape)
+
+    def call(self, x, training=None):
+        keep = keras.random.uniform((tf.shape(x)[0], 1)) > 0.5
+        return x + tf.where(keep, self.dense(x), 0.0)
+
+
+class _TupleBlock(_ContextBlock):
+    def call(self, x):
+        return super().call(x), None
+
+
+class _LazyBlock(keras.layers.Layer):
+    """Makes its sublayer's variables in its first call."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8)
+
+    def build(self, input_shape):
+        pass
+
+    def call(self, x):
+        return x + self.dense(x)
+
+
+class _CrossBlock(_ContextBlock):
+    def build(self, x_shape, context_shape=None):
+        super().build(x_shape)
+
+    def call(self, x, context=None):
+        return super().call(x) if context is None else super().call(x) + context
+
+
+@pytest.mark.parametrize("policy", [None, "nothing_saveable"])
+def test_blocks_scan_cannot_run_raise_what_to_do(policy):
+    """Blocks ScannedBlocks cannot run fail loudly with what to do, whatever the policy: one
+    drawing from Keras' global seed generator (it would draw the same values at every step,
+    silently without remat until now), one returning a tuple, one making its variables in its
+    call, and a cross-attention block built from a second input's shape."""
+    x = tf.random.stateless_normal((4, 8), seed=[1, 2])
+    unseeded = scan.ScannedBlocks(lambda name: _UnseededDropPath(name=name), 3, policy)
+    with pytest.raises(remat.RematError, match="seed_generator_state.*give the layer a seed"):
+        unseeded(x, training=True)
+    with pytest.raises(ValueError, match="_TupleBlock.call returned tuple: wrap the block"):
+        scan.ScannedBlocks(lambda name: _TupleBlock(name=name), 3, policy)(x)
+    with pytest.raises(ValueError, match="_LazyBlock.build made none"):
+        scan.ScannedBlocks(lambda name: _LazyBlock(name=name), 3, policy)(x)
+    cross = scan.ScannedBlocks(lambda name: _CrossBlock(name=name), 3, policy)
+    cross(x)  # without the second input it runs
+    with pytest.raises(ValueError, match="takes `context_shape` for the `context`"):
+        cross(x, context=x)
