@@ -585,6 +585,20 @@ class _LazyBlock(keras.layers.Layer):
         return x + self.dense(x)
 
 
+class _HalfBuiltBlock(_LazyBlock):
+    """Builds one sublayer in `build` and leaves another to its first call."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.first = keras.layers.Dense(8)
+
+    def build(self, input_shape):
+        self.first.build(input_shape)
+
+    def call(self, x):
+        return super().call(self.first(x))
+
+
 class _CrossBlock(_ContextBlock):
     def build(self, x_shape, context_shape=None):
         super().build(x_shape)
@@ -597,8 +611,8 @@ class _CrossBlock(_ContextBlock):
 def test_blocks_scan_cannot_run_raise_what_to_do(policy):
     """Blocks ScannedBlocks cannot run fail loudly with what to do, whatever the policy: one
     drawing from Keras' global seed generator (it would draw the same values at every step,
-    silently without remat until now), one returning a tuple, one making its variables in its
-    call, and a cross-attention block built from a second input's shape."""
+    silently without remat until now), one returning a tuple, ones making all or some of their
+    variables in their call, and a cross-attention block built from a second input's shape."""
     x = tf.random.stateless_normal((4, 8), seed=[1, 2])
     unseeded = scan.ScannedBlocks(lambda name: _UnseededDropPath(name=name), 3, policy)
     with pytest.raises(remat.RematError, match="seed_generator_state.*give the layer a seed"):
@@ -607,6 +621,8 @@ def test_blocks_scan_cannot_run_raise_what_to_do(policy):
         scan.ScannedBlocks(lambda name: _TupleBlock(name=name), 3, policy)(x)
     with pytest.raises(ValueError, match="_LazyBlock.build made none"):
         scan.ScannedBlocks(lambda name: _LazyBlock(name=name), 3, policy)(x)
+    with pytest.raises(ValueError, match=r"_HalfBuiltBlock made variables in its call .*\(2 st"):
+        scan.ScannedBlocks(lambda name: _HalfBuiltBlock(name=name), 3, policy)(x)
     cross = scan.ScannedBlocks(lambda name: _CrossBlock(name=name), 3, policy)
     cross(x)  # without the second input it runs
     with pytest.raises(ValueError, match="takes `context_shape` for the `context`"):
