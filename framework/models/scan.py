@@ -38,6 +38,9 @@ class ScannedBlocks(keras.layers.Layer):
         variables (shapes and order), as copies of one block class with one config have.
       depth: number of blocks.
       remat_policy: policy of `remat.checkpoint` for each step of the loop, or None (no remat).
+      build_shapes: shapes of the block's other inputs its `build` takes beside the input's, by
+        argument name: `{"encoder_sequence_shape": (None, 64, 256)}` for a cross-attention
+        decoder. Keras builds this layer from its input's shape alone.
     """
 
     def __init__(
@@ -45,6 +48,7 @@ class ScannedBlocks(keras.layers.Layer):
         make_block: Callable[[str], keras.layers.Layer],
         depth: int,
         remat_policy: str | remat.policies.Policy | None = None,
+        build_shapes: dict[str, tuple] | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -53,12 +57,13 @@ class ScannedBlocks(keras.layers.Layer):
         self.make_block = make_block
         self.depth = depth
         self.remat_policy = remat_policy
+        self.build_shapes = dict(build_shapes or {})
 
     def build(self, input_shape):
         # The template defines the block's computation; its own variables are never read (each
         # step maps them to slices) and are kept out of the layer's tracking.
         template = self.make_block("block")
-        template.build(input_shape)
+        template.build(input_shape, **self.build_shapes)
         if not template.variables:
             raise ValueError(
                 f"ScannedBlocks stacks the variables a block makes in build(input_shape); "
@@ -68,7 +73,7 @@ class ScannedBlocks(keras.layers.Layer):
         object.__setattr__(self, "_template", template)
         initial = [self.make_block(f"init_{i}") for i in range(self.depth)]
         for block in initial:
-            block.build(input_shape)
+            block.build(input_shape, **self.build_shapes)
         for k, variable in enumerate(template.variables):
             values = tf.stack([tf.convert_to_tensor(b.variables[k]) for b in initial])
             stacked = self.add_weight(
@@ -123,11 +128,13 @@ class ScannedBlocks(keras.layers.Layer):
     def call(self, x, training=None, **kwargs):
         built_from = inspect.signature(self.template.build).parameters
         for name, value in kwargs.items():
-            if value is not None and f"{name}_shape" in built_from:
+            shape = f"{name}_shape"
+            if value is not None and shape in built_from and shape not in self.build_shapes:
                 raise ValueError(
-                    f"ScannedBlocks builds its blocks from the input's shape alone, but "
-                    f"{type(self.template).__name__}.build also takes `{name}_shape` for the "
-                    f"`{name}` passed to the call (a cross-attention block): it cannot be scanned."
+                    f"{type(self.template).__name__}.build takes `{shape}` for the `{name}` "
+                    "passed to the call (a cross-attention block), and Keras builds ScannedBlocks "
+                    f"from its input's shape alone: pass ScannedBlocks(..., build_shapes="
+                    f"{{{shape!r}: {tuple(value.shape)}}})."
                 )
         trainable, non_trainable = self._ordered()
         flat = tf.nest.flatten(kwargs)

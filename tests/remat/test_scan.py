@@ -625,5 +625,58 @@ def test_blocks_scan_cannot_run_raise_what_to_do(policy):
         scan.ScannedBlocks(lambda name: _HalfBuiltBlock(name=name), 3, policy)(x)
     cross = scan.ScannedBlocks(lambda name: _CrossBlock(name=name), 3, policy)
     cross(x)  # without the second input it runs
-    with pytest.raises(ValueError, match="takes `context_shape` for the `context`"):
+    with pytest.raises(ValueError, match=r"takes `context_shape` for the `context`.*build_shapes"):
         cross(x, context=x)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+def test_keras_hub_cross_attention_decoders_scan_with_build_shapes(mode):
+    """keras-hub's TransformerDecoder with cross-attention (BART's), built from the encoder
+    output's shape given as `build_shapes`: outputs and gradients, the encoder output's
+    included, equal the unrolled blocks' (dropout on, full remat)."""
+    import keras_hub
+
+    def make(name):
+        return keras_hub.layers.TransformerDecoder(32, 2, dropout=0.1, name=name)
+
+    keras.utils.set_random_seed(0)
+    x = tf.random.stateless_normal((2, 6, 16), seed=[1, 2])
+    encoded = tf.random.stateless_normal((2, 5, 16), seed=[3, 4])
+    blocks = [make(f"b{i}") for i in range(3)]
+    for block in blocks:
+        block(x, encoder_sequence=encoded)
+    stack = scan.ScannedBlocks(
+        make, 3, "nothing_saveable", build_shapes={"encoder_sequence_shape": (None, 5, 16)}
+    )
+    stack(x, encoder_sequence=encoded)
+    scan.stack_weights(blocks, stack)
+
+    def unrolled(h, encoder_sequence, training):
+        for block in blocks:
+            h = block(h, encoder_sequence=encoder_sequence, training=training)
+        return h
+
+    def gradients(forward, variables):
+        def run(x, encoded):
+            with tf.GradientTape() as tape:
+                tape.watch(encoded)
+                y = forward(x, encoder_sequence=encoded, training=True)
+                loss = tf.reduce_sum(y * y)
+            return y, tape.gradient(loss, [encoded, *variables])
+
+        return tf.function(run, jit_compile=mode == "xla")(x, encoded)
+
+    results = [
+        gradients(unrolled, [v for b in blocks for v in b.trainable_variables]),
+        gradients(stack, stack.trainable_variables),
+    ]
+    (y_u, grads_u), (y_s, grads_s) = results
+    np.testing.assert_allclose(y_s, y_u, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grads_s[0], grads_u[0], rtol=1e-4, atol=1e-5)  # the encoder's
+    trainable, _ = stack._ordered()
+    by_variable = dict(zip([id(v) for v in stack.trainable_variables], grads_s[1:], strict=True))
+    for k, stacked in enumerate(trainable):
+        for i in range(3):
+            want = grads_u[1 + i * len(trainable) + k]
+            np.testing.assert_allclose(by_variable[id(stacked)][i], want, rtol=1e-4, atol=1e-5)
