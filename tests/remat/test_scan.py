@@ -449,13 +449,27 @@ def test_the_blocks_losses_become_the_scanned_layers_losses(mode, policy):
             for variable, value in zip(model.variables, values, strict=True):
                 variable.assign(value)
 
+    # Whether the template's call runs while the gradient is taken: the step rebuilt, with its
+    # losses, in the backward loop (remat) or not at all (TensorFlow's own loop gradient).
+    in_gradient, rebuilt = [False], []
+    call = stack.template.call
+
+    def counted(*args, **kwargs):
+        rebuilt.append(in_gradient[0])
+        return call(*args, **kwargs)
+
+    stack.template.call = counted
+
     def gradients(model):
         def run(x):
             with tf.GradientTape() as tape:
                 y = model(x, training=True)
                 losses = model.losses
                 loss = tf.reduce_sum(y) + tf.add_n(losses)
-            return loss, len(losses), tape.gradient(loss, model.trainable_variables)
+            in_gradient[0] = True
+            grads = tape.gradient(loss, model.trainable_variables)
+            in_gradient[0] = False
+            return loss, len(losses), grads
 
         return run if mode == "eager" else tf.function(run, jit_compile=mode == "xla")
 
@@ -463,6 +477,7 @@ def test_the_blocks_losses_become_the_scanned_layers_losses(mode, policy):
     loss_u, count_u, grads_u = gradients(unrolled)(x)
     loss_s, count_s, grads_s = gradients(scanned)(x)
     assert (count_u, count_s) == (9, 3)
+    assert (True in rebuilt) == (policy is not None), rebuilt
     np.testing.assert_allclose(loss_s, loss_u, rtol=1e-6)
     trainable, _ = stack._ordered()
     by_variable = {id(v): g for v, g in zip(scanned.trainable_variables, grads_s, strict=True)}
