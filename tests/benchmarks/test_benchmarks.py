@@ -215,11 +215,19 @@ def test_shard_plans_quick(tmp_path):
     rows = {r[1]: r for r in _table_cells(report, 8) if r[1].startswith("`")}
     assert list(rows) == ["`none`", "`optimizer`", "`gradients`", "`weights`"], report
     kept = {level: float(row[5]) for level, row in rows.items()}
-    program = {level: float(row[4].split()[0]) for level, row in rows.items()}
+    # "program (temporaries; code)": what the program takes in and gives out is the rest.
+    program = {
+        level: [float(x) for x in re.findall(r"[\d.]+", row[4])] for level, row in rows.items()
+    }
+    inputs_and_outputs = {
+        level: total - temp - code for level, (total, temp, code) in program.items()
+    }
     # AdamW's two slots whole, against an eighth of them (plus the weights' shards); the
-    # "weights" program takes shards where the others take whole weights.
+    # "weights" program takes (and gives back) shards where the others take whole weights.
+    # Temporaries and code are left out: a tiny decoder's are the compiler's fixed costs.
     assert kept["`none`"] > 4 * kept["`optimizer`"] > 4 * kept["`weights`"], report
-    assert program["`weights`"] < program["`gradients`"] and program["`none`"] > 0, report
+    assert inputs_and_outputs["`weights`"] < inputs_and_outputs["`gradients`"] / 2, report
+    assert program["`none`"][0] > 0, report
     assert all(row[7] == "yes" for row in rows.values()), report
 
 
