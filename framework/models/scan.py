@@ -10,8 +10,11 @@ backward pass and recomputes a block's activations in the backward loop - the me
 The block runs through Keras' `stateless_call`, so it neither reads nor writes real variables
 inside the loop: its weights are slices of the stacked variables, and the new values of its
 non-trainable state (the dropout seed of each block) are collected and written back once after
-the loop. The losses a block adds (`add_loss`, activity and weight regularizers) are loop
-outputs too, summed over the blocks into the layer's own losses.
+the loop. The losses a block adds in its call (`add_loss`, activity regularizers) are loop
+outputs too, summed over the blocks into the layer's own losses. A block variable's weight
+regularizer and constraint become the stacked variable's, applied to each block's slice: Keras
+computes the regularizers from the variables once per step, and the optimizer applies the
+constraints after each update, as for the unrolled blocks.
 
 Checkpoints: the stacked layout is its own (one variable per block variable, `[depth, ...]`).
 `stack_weights` and `unstack_weights` convert to and from a list of unrolled blocks, so weights
@@ -81,8 +84,17 @@ class ScannedBlocks(keras.layers.Layer):
                 dtype=variable.dtype,
                 trainable=variable.trainable,
                 initializer=keras.initializers.Constant(values.numpy()),
+                # The loop reads the stack in its own dtype; each step's block casts its slice
+                # as the unrolled block casts its variable (under mixed precision, a bfloat16
+                # copy of one block's weights at a time, not of the whole stack).
+                autocast=False,
+                regularizer=variable.regularizer and _EachBlockRegularizer(variable.regularizer),
+                constraint=variable.constraint and _EachBlockConstraint(variable.constraint),
                 name=f"{k}_" + variable.path.replace("/", "_"),
             )
+            # Keras computes a weight regularizer from the variable, once per step however
+            # often the layer is called: the stacked variable's does, the steps must not.
+            variable.regularizer = None
             # One attribute each: tf.train.Checkpoint does not save variables held in a list.
             setattr(self, f"stacked_{k}", stacked)
         self.built = True
@@ -166,14 +178,36 @@ class ScannedBlocks(keras.layers.Layer):
         )
         for variable, state in zip(non_trainable, ys):
             variable.assign(state)
-        # The blocks' losses (`add_loss`, activity and weight regularizers, the latter computed
-        # on each step's slice of the weights), one per block each, summed over the blocks.
+        # The losses the blocks add in their calls (`add_loss`, activity regularizers), one per
+        # block each, summed over the blocks.
         for losses in ys[len(non_trainable) :]:
             self.add_loss(tf.reduce_sum(losses, axis=0))
         return x
 
     def compute_output_shape(self, input_shape):
         return input_shape
+
+
+class _EachBlockRegularizer(keras.regularizers.Regularizer):
+    """A block variable's regularizer on its stacked variable: the sum of its value on each
+    block's slice, what the unrolled blocks' regularizers add up to (for any regularizer, not
+    only those that sum over the values)."""
+
+    def __init__(self, regularizer: Callable[[tf.Tensor], tf.Tensor]):
+        self.regularizer = regularizer
+
+    def __call__(self, stacked: tf.Tensor) -> tf.Tensor:
+        return tf.add_n([self.regularizer(w) for w in tf.unstack(stacked)])
+
+
+class _EachBlockConstraint(keras.constraints.Constraint):
+    """A block variable's constraint on its stacked variable, applied to each block's slice."""
+
+    def __init__(self, constraint: Callable[[tf.Tensor], tf.Tensor]):
+        self.constraint = constraint
+
+    def __call__(self, stacked: tf.Tensor) -> tf.Tensor:
+        return tf.stack([self.constraint(w) for w in tf.unstack(stacked)])
 
 
 def stack_weights(blocks: list[keras.layers.Layer], scanned: ScannedBlocks) -> None:

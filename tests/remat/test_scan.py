@@ -515,6 +515,70 @@ def test_eager_calls_after_calls_count_each_loss_once():
     assert len(totals) == 1, totals
 
 
+class _ConstrainedBlock(keras.layers.Layer):
+    """A block whose kernel has a weight regularizer and a constraint."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(
+            8,
+            kernel_regularizer=keras.regularizers.L2(0.1),
+            kernel_constraint=keras.constraints.MaxNorm(0.5),
+        )
+
+    def build(self, input_shape):
+        self.dense.build(input_shape)
+
+    def call(self, x):
+        return x + tf.tanh(self.dense(x))
+
+
+def test_weight_regularizers_and_constraints_are_the_unrolled_blocks(monkeypatch):
+    """Under mixed precision, a stack called twice per step: its weight regularizers count once
+    (Keras computes them from the variables) in float32 on float32 weights, as the unrolled
+    blocks' do; the loop gets the float32 stacks (each step's block casts its own slice); and
+    the blocks' kernel constraint holds after `fit`, as it does unrolled."""
+    seen = []
+    scan_loop = remat.scan
+
+    def recording(step, carry, xs, *args, **kwargs):
+        seen.extend(x.dtype for x in xs)
+        return scan_loop(step, carry, xs, *args, **kwargs)
+
+    monkeypatch.setattr(scan.remat, "scan", recording)
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        keras.utils.set_random_seed(0)
+        blocks = [_ConstrainedBlock(name=f"b{i}") for i in range(3)]
+        stack = scan.ScannedBlocks(lambda name: _ConstrainedBlock(name=name), 3)
+        inputs = keras.Input((8,))
+        unrolled_out = scanned_out = inputs
+        for _ in range(2):
+            for block in blocks:
+                unrolled_out = block(unrolled_out)
+            scanned_out = stack(scanned_out)
+        unrolled = keras.Model(inputs, unrolled_out)
+        scanned = keras.Model(inputs, scanned_out)
+        scan.stack_weights(blocks, stack)
+        x = tf.random.stateless_normal((4, 8), seed=[1, 2])
+        for model in (unrolled, scanned):
+            model(x, training=True)
+        assert seen and set(seen) == {tf.float32}, seen
+        (regularized,) = scanned.losses
+        assert regularized.dtype == tf.float32
+        np.testing.assert_allclose(regularized, tf.add_n(unrolled.losses), rtol=1e-6)
+        for model in (unrolled, scanned):
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+            model.fit(x, tf.zeros_like(x), epochs=1, batch_size=4, verbose=0)
+        (kernel,) = stack._ordered()[0][:1]
+        norms = np.linalg.norm(kernel.numpy(), axis=1)  # each block's columns
+        assert norms.max() <= 0.5 + 1e-6, norms
+        for i, block in enumerate(blocks):
+            np.testing.assert_allclose(kernel[i], block.dense.kernel, atol=1e-6)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["graph", "xla"])
 def test_keras_hub_mixtral_blocks_scanned_keep_their_router_losses(mode):
