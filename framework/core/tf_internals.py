@@ -393,34 +393,45 @@ def outermost(tensor):
             return tensor
 
 
-def pass_eager_captures_through_loop(graph: tf.Graph) -> None:
-    """Lets the gradient body of a `tf.while_loop` (`graph`) use the eager tensors it captured.
+def pass_eager_captures_through_control_flow(graph: tf.Graph) -> None:
+    """Lets the gradient body of a `tf.while_loop`, or the gradient branch of a `tf.cond` or
+    `tf.switch_case` (`graph`), use the eager tensors it captured.
 
     Code that reads a variable or an eager tensor directly (a recomputation does) captures the
-    eager value by value, but a loop's gradient body takes only captures of graph tensors that
-    it registered as loop invariants (else "... is in list of internal_captures but not in
-    internal_capture_to_output"). This re-keys each such capture to the same value seen from
-    the enclosing graph, and registers it as the body registers other outer tensors. No-op for
-    any other graph.
+    eager value by value, but these gradient graphs take only captures of graph tensors: a
+    loop's body those it registered as loop invariants (else "... is in list of
+    internal_captures but not in internal_capture_to_output"), a branch those of its enclosing
+    graph or of the forward branch (else "Tensor.graph is undefined when eager execution is
+    enabled"). This re-keys each such capture to the same value seen from the enclosing graph,
+    and registers it as a loop body registers other outer tensors. No-op for any other graph.
     """
-    registered = getattr(graph, "internal_capture_to_output", None)
-    if registered is None:
+    if not _passes_captures_through(graph):
         return
     from tensorflow.python.framework import ops
 
+    registered = getattr(graph, "internal_capture_to_output", None)
     captures = graph._function_captures
     for external, internal in list(graph.captures):
         if isinstance(external, ops.EagerTensor):
             outer = _seen_from(external, graph.outer_graph)
             captures.pop(id(external))
             captures.add_or_replace(key=id(outer), external=outer, internal=internal)
-            registered[ops.tensor_id(internal)] = internal
+            if registered is not None:
+                registered[ops.tensor_id(internal)] = internal
+
+
+def _passes_captures_through(graph: tf.Graph) -> bool:
+    """Whether `graph` is a loop's gradient body or a conditional's gradient branch."""
+    from tensorflow.python.ops import cond_v2
+
+    loop_body = getattr(graph, "internal_capture_to_output", None) is not None
+    return loop_body or isinstance(graph, cond_v2._CondGradFuncGraph)
 
 
 def _seen_from(tensor, graph: tf.Graph):
-    """An eager tensor as `graph` sees it, through the gradient bodies of loops around it."""
-    pass_through = getattr(graph, "internal_capture_to_output", None) is not None
-    if pass_through and getattr(graph, "outer_graph", None) is not None:
+    """An eager tensor as `graph` sees it, through the gradient graphs of control flow around
+    it."""
+    if _passes_captures_through(graph) and getattr(graph, "outer_graph", None) is not None:
         return graph.capture(_seen_from(tensor, graph.outer_graph))
     return graph.capture(tensor) if hasattr(graph, "capture") else tensor
 

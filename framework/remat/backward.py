@@ -94,7 +94,7 @@ def recompute_gradients(
         tape.watch(sources)
         with region.replaying(dep, handles):
             results = CallStructure(forward.call(inputs))
-    tf_internals.pass_eager_captures_through_loop(graph)
+    tf_internals.pass_eager_captures_through_control_flow(graph)
     targets, upstream = [], []
     for t, g in zip(results.tensors(), dy):
         if g is not None and differentiable(t):

@@ -449,6 +449,50 @@ def test_region_inside_a_loop_body_closing_over_a_tensor_and_a_variable(mode, lo
     assert all(c.calls >= 2 for c in counted), [c.calls for c in counted]
 
 
+@pytest.mark.tf_compat
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("branch", ["cond", "switch_case"])
+def test_region_in_a_branch_closing_over_an_eager_tensor_and_a_variable(mode, branch):
+    """The recomputation runs in TensorFlow's gradient branch, which takes only captures of
+    graph tensors: the closed-over eager tensor reaches it through the enclosing graph."""
+    w = tf.Variable(rand(4, 4, seed=4))
+    bias = rand(4, seed=5)  # an eager tensor, in every mode
+    drop = keras.layers.Dropout(0.3, seed=6)
+
+    def make(wrap):
+        def loss(x, c):
+            layer = wrap(lambda h: tf.tanh(drop(tf.linalg.matvec(w, h) + c + bias, training=True)))
+            if branch == "cond":
+                out = tf.cond(tf.reduce_sum(c) > -1e9, lambda: layer(x), lambda: x)
+            else:
+                branches = [lambda: x, lambda: layer(x), lambda: layer(2.0 * x)]
+                out = tf.switch_case(tf.cast(tf.reduce_sum(c) > -1e9, tf.int32), branches)
+            return tf.reduce_sum(out**2)
+
+        return loss
+
+    def gradients(wrap):
+        def run(x, c):
+            with tf.GradientTape() as tape:
+                tape.watch([x, c])
+                value = make(wrap)(x, c)
+            return tape.gradient(value, [x, c, w])
+
+        drop.seed_generator.state.assign([6, 0])
+        return compiled(run, mode)(x, c)
+
+    x, c = rand(4), rand(4)
+    want = gradients(plain)
+    counted = []
+
+    def wrap_remat(fn):
+        counted.append(Counted(fn))
+        return remat.checkpoint(counted[-1])
+
+    assert_close(gradients(wrap_remat), want, tol=1e-5)
+    assert all(c.calls >= 2 for c in counted), [c.calls for c in counted]
+
+
 # 7. Keras' call context: what an outer layer call hands down reaches the recomputation.
 
 
