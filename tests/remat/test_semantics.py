@@ -84,6 +84,20 @@ def check(mode, policy, make_loss, xs, runs=2):
     return got
 
 
+def assert_recomputed_and_equal(gradients, tol):
+    """`gradients(wrap)` equals `gradients(plain)` with each region wrapped in
+    `remat.checkpoint`, and each region's body ran again for the recomputation."""
+    want = gradients(plain)
+    counted = []
+
+    def wrap_remat(fn):
+        counted.append(Counted(fn))
+        return remat.checkpoint(counted[-1])
+
+    assert_close(gradients(wrap_remat), want, tol=tol)
+    assert counted and all(c.calls >= 2 for c in counted), [c.calls for c in counted]
+
+
 # 1. Tensors the region closes over are inputs of the region.
 
 
@@ -398,99 +412,68 @@ def test_tf_function_first_traced_inside_a_region(mode):
     check(mode, "nothing_saveable", make, [rand(3, 4)])
 
 
-# 6. Regions inside loop bodies: a user's own scan over layers.
+# 6. Regions inside loop bodies (a user's own scan over layers) and conditionals.
 
 
 @pytest.mark.tf_compat
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("loop", ["scan", "while_loop"])
+@pytest.mark.parametrize("where", ["scan", "while_loop", "cond", "switch_case"])
 @pytest.mark.parametrize("order", [1, 2])
-def test_region_inside_a_loop_body_closing_over_a_tensor_and_a_variable(mode, loop, order):
+def test_region_in_a_loop_body_or_a_branch_closing_over_tensors_and_a_variable(mode, where, order):
+    """The recomputation runs in TensorFlow's gradient loop body or gradient branch, which take
+    only captures of graph tensors they know: what the region closes over (a variable, a graph
+    tensor and, to first order, an eager tensor) reaches it through the enclosing graph."""
     w = tf.Variable(rand(4, 4, seed=4))
+    # An eager tensor in every mode; under a second tape it fails in TensorFlow's own gradient
+    # code (docs/remat.md), so the second order closes over variables and graph tensors only.
+    bias = rand(4, seed=5) if order == 1 else 0.0
     drop = keras.layers.Dropout(0.3, seed=6)
 
     def make(wrap):
         def loss(xs, c):
-            layer = wrap(lambda h: tf.tanh(drop(tf.linalg.matvec(w, h) + c, training=True)))
-            if loop == "scan":
+            layer = wrap(lambda h: tf.tanh(drop(tf.linalg.matvec(w, h) + c + bias, training=True)))
+            taken = tf.reduce_sum(c) > -1e9
+            if where == "scan":
                 out = tf.scan(lambda acc, row: layer(acc + row), xs, tf.ones([4]))
-            else:
+            elif where == "while_loop":
                 step = lambda i, h: (i + 1, layer(h + xs[i]))  # noqa: E731
                 out = tf.while_loop(lambda i, h: i < 3, step, (0, xs[0]), maximum_iterations=3)[1]
+            elif where == "cond":
+                out = tf.cond(taken, lambda: layer(xs[0]), lambda: xs[1])
+            else:
+                branches = [lambda: xs[1], lambda: layer(xs[0]), lambda: layer(xs[2])]
+                out = tf.switch_case(tf.cast(taken, tf.int32), branches)
             return tf.reduce_sum(out**2)
 
         return loss
 
-    def gradients(wrap):
+    def gradients(wrap, xs, c):
+        def first(xs, c):
+            with tf.GradientTape() as tape:
+                tape.watch([xs, c])
+                value = make(wrap)(xs, c)
+            return tape.gradient(value, [xs, c, w])
+
         def run(xs, c):
+            if order == 1:
+                return first(xs, c)
             with tf.GradientTape() as outer:
                 outer.watch([xs, c])
-                with tf.GradientTape() as tape:
-                    tape.watch([xs, c])
-                    value = make(wrap)(xs, c)
-                first = tape.gradient(value, [xs, c, w])
-                if order == 1:
-                    return first
-                norm = sum(tf.reduce_sum(g**2) for g in first)
+                norm = sum(tf.reduce_sum(g**2) for g in first(xs, c))
             return outer.gradient(norm, [xs, c, w])
 
         drop.seed_generator.state.assign([6, 0])
         return compiled(run, mode)(xs, c)
 
     xs, c = rand(3, 4), rand(4)
-    want = gradients(plain)
-    counted = []
-
-    def wrap_remat(fn):
-        counted.append(Counted(fn))
-        return remat.checkpoint(counted[-1])
-
-    assert_close(gradients(wrap_remat), want, tol=1e-4)
-    assert all(c.calls >= 2 for c in counted), [c.calls for c in counted]
-
-
-@pytest.mark.tf_compat
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("branch", ["cond", "switch_case"])
-def test_region_in_a_branch_closing_over_an_eager_tensor_and_a_variable(mode, branch):
-    """The recomputation runs in TensorFlow's gradient branch, which takes only captures of
-    graph tensors: the closed-over eager tensor reaches it through the enclosing graph."""
-    w = tf.Variable(rand(4, 4, seed=4))
-    bias = rand(4, seed=5)  # an eager tensor, in every mode
-    drop = keras.layers.Dropout(0.3, seed=6)
-
-    def make(wrap):
-        def loss(x, c):
-            layer = wrap(lambda h: tf.tanh(drop(tf.linalg.matvec(w, h) + c + bias, training=True)))
-            if branch == "cond":
-                out = tf.cond(tf.reduce_sum(c) > -1e9, lambda: layer(x), lambda: x)
-            else:
-                branches = [lambda: x, lambda: layer(x), lambda: layer(2.0 * x)]
-                out = tf.switch_case(tf.cast(tf.reduce_sum(c) > -1e9, tf.int32), branches)
-            return tf.reduce_sum(out**2)
-
-        return loss
-
-    def gradients(wrap):
-        def run(x, c):
-            with tf.GradientTape() as tape:
-                tape.watch([x, c])
-                value = make(wrap)(x, c)
-            return tape.gradient(value, [x, c, w])
-
-        drop.seed_generator.state.assign([6, 0])
-        return compiled(run, mode)(x, c)
-
-    x, c = rand(4), rand(4)
-    want = gradients(plain)
-    counted = []
-
-    def wrap_remat(fn):
-        counted.append(Counted(fn))
-        return remat.checkpoint(counted[-1])
-
-    assert_close(gradients(wrap_remat), want, tol=1e-5)
-    assert all(c.calls >= 2 for c in counted), [c.calls for c in counted]
+    if order == 2 and where in ("cond", "switch_case") and mode != "eager":
+        # Fails in TensorFlow's own gradient code (an assertion of cond_v2), as docs/remat.md
+        # says: a fix must update both.
+        gradients(plain, xs, c)
+        with pytest.raises(AssertionError):
+            gradients(remat.checkpoint, xs, c)
+        return
+    assert_recomputed_and_equal(lambda wrap: gradients(wrap, xs, c), tol=1e-4)
 
 
 # 7. Keras' call context: what an outer layer call hands down reaches the recomputation.
