@@ -3,6 +3,8 @@ dropout included, with each loop step rematerialized, and weights move between t
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -282,20 +284,37 @@ def _hub_encoder_pair():
 
 
 @pytest.mark.slow
+class _TemplateCalls:
+    """Spies on a scanned stack's template block: for each of its calls, whether a gradient was
+    being taken (the step rebuilt in the backward loop) or not (the forward loop)."""
+
+    def __init__(self, stack: scan.ScannedBlocks):
+        self.during_gradient: list[bool] = []
+        self._taking = False
+        call = stack.template.call
+
+        def counted(*args, **kwargs):
+            self.during_gradient.append(self._taking)
+            return call(*args, **kwargs)
+
+        stack.template.call = counted
+
+    @contextlib.contextmanager
+    def taking_gradient(self):
+        self._taking = True
+        try:
+            yield
+        finally:
+            self._taking = False
+
+
 def test_a_keras_hub_block_scanned_with_remat_matches_unrolled_in_every_mode_and_fit():
     """A block no one here wrote: each step rebuilt in the backward pass (the template is called
     while the gradient is taken), gradients equal to the unrolled blocks' with dropout on in
     eager, graph and XLA, and `model.fit(jit_compile=True)` ends on the same weights."""
     unrolled, blocks, scanned, stack = _hub_encoder_pair()
     assert remat.set_grad_checkpointing(scanned, policy="nothing_saveable") == [stack]
-    in_gradient, rebuilt = [False], []
-    call = stack.template.call
-
-    def counted(*args, **kwargs):
-        rebuilt.append(in_gradient[0])
-        return call(*args, **kwargs)
-
-    stack.template.call = counted
+    template_calls = _TemplateCalls(stack)
     x = tf.random.stateless_normal((4, 8, 32), seed=[1, 2])
     y = tf.constant([0, 1, 2, 1])
     saved = [[v.numpy() for v in m.variables] for m in (unrolled, scanned)]
@@ -311,19 +330,19 @@ def test_a_keras_hub_block_scanned_with_remat_matches_unrolled_in_every_mode_and
             loss = tf.reduce_mean(
                 keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
             )
-        in_gradient[0] = True
-        grads = tape.gradient(loss, model.trainable_variables)
-        in_gradient[0] = False
+        with template_calls.taking_gradient():
+            grads = tape.gradient(loss, model.trainable_variables)
         return loss, grads
 
     trainable, _ = stack._ordered()
     for mode in ("eager", "graph", "xla"):
         restore()
-        rebuilt.clear()
+        template_calls.during_gradient.clear()
         run = gradients if mode == "eager" else tf.function(gradients, jit_compile=mode == "xla")
         loss_u, grads_u = run(unrolled)
         run = gradients if mode == "eager" else tf.function(gradients, jit_compile=mode == "xla")
         loss_s, grads_s = run(scanned)
+        rebuilt = template_calls.during_gradient
         assert rebuilt.count(True) == 1, (mode, rebuilt)  # the step, rebuilt once for all layers
         np.testing.assert_allclose(loss_s, loss_u, rtol=1e-6)
         by_variable = {id(v): g for v, g in zip(unrolled.trainable_variables, grads_u)}
@@ -451,14 +470,7 @@ def test_the_blocks_losses_become_the_scanned_layers_losses(mode, policy):
 
     # Whether the template's call runs while the gradient is taken: the step rebuilt, with its
     # losses, in the backward loop (remat) or not at all (TensorFlow's own loop gradient).
-    in_gradient, rebuilt = [False], []
-    call = stack.template.call
-
-    def counted(*args, **kwargs):
-        rebuilt.append(in_gradient[0])
-        return call(*args, **kwargs)
-
-    stack.template.call = counted
+    template_calls = _TemplateCalls(stack)
 
     def gradients(model):
         def run(x):
@@ -466,9 +478,8 @@ def test_the_blocks_losses_become_the_scanned_layers_losses(mode, policy):
                 y = model(x, training=True)
                 losses = model.losses
                 loss = tf.reduce_sum(y) + tf.add_n(losses)
-            in_gradient[0] = True
-            grads = tape.gradient(loss, model.trainable_variables)
-            in_gradient[0] = False
+            with template_calls.taking_gradient():
+                grads = tape.gradient(loss, model.trainable_variables)
             return loss, len(losses), grads
 
         return run if mode == "eager" else tf.function(run, jit_compile=mode == "xla")
@@ -477,6 +488,7 @@ def test_the_blocks_losses_become_the_scanned_layers_losses(mode, policy):
     loss_u, count_u, grads_u = gradients(unrolled)(x)
     loss_s, count_s, grads_s = gradients(scanned)(x)
     assert (count_u, count_s) == (9, 3)
+    rebuilt = template_calls.during_gradient
     assert (True in rebuilt) == (policy is not None), rebuilt
     np.testing.assert_allclose(loss_s, loss_u, rtol=1e-6)
     trainable, _ = stack._ordered()
