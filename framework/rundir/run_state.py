@@ -7,7 +7,9 @@
   a non-finite one is skipped for the one before it; and a model_dir whose checkpoints all fail
   stops the run (`TrainerError`) instead of starting over them (see `checkpoints`).
 - Every worker restores from model_dir and saves (saving is collective), but only the chief
-  writes into model_dir: the others write to a temporary directory of their own.
+  writes into model_dir: the others write to a temporary directory of their own and delete it
+  after each save, so that a long run does not fill a worker's local disk with copies no one
+  reads (TensorFlow's handler does the same for the managers it makes).
 - After SIGTERM (a preempted TPU VM or GPU node), TensorFlow's handler makes the workers agree
   on a step, all save there, and the run stops with `PreemptedError`.
 - A checkpoint holds every random state of the model (`random_state`) and the number of replicas
@@ -107,7 +109,7 @@ class RunState:
                 data_position=self._data_position,
             ),
             self.directory if is_chief else tempfile.mkdtemp(prefix="ckpt-"),
-            max_to_keep=keep,
+            max_to_keep=keep if is_chief else 1,
             step_counter=optimizer.iterations,
         )
         # TensorFlow's handler makes all workers agree on the step to save at after SIGTERM.
@@ -225,9 +227,10 @@ class RunState:
         """Saves the current step (unless it is saved already) after checking the lock."""
         self.check_lock()  # (on gs:// a read: only when a save is due)
         latest = self.manager.latest_checkpoint
-        if latest is not None and checkpoints.step_of(latest) == self.step:
-            return latest
-        return self.manager.save(checkpoint_number=self.step)
+        if latest is None or checkpoints.step_of(latest) != self.step:
+            latest = self.manager.save(checkpoint_number=self.step)
+            self._discard_worker_copy()
+        return os.path.join(self.directory, os.path.basename(latest))
 
     def save_interrupted(self) -> str | None:
         """Saves the current step after Ctrl-C, so that the same command resumes there rather
@@ -248,7 +251,14 @@ class RunState:
         self._preemption.save_checkpoint_if_preempted(checkpoint_number=self.step)
 
     def _preempted(self) -> None:
+        self._discard_worker_copy()
         raise PreemptedError(self.step)
+
+    def _discard_worker_copy(self) -> None:
+        """Deletes what a worker other than the chief wrote in its save (see the module
+        docstring); its manager writes the directory again at the next save."""
+        if not self.is_chief:
+            tf.io.gfile.rmtree(self.manager.directory)
 
     def check_lock(self) -> None:
         """Stops before a save if another run took model_dir over (see `run_lock`)."""

@@ -45,8 +45,10 @@ def start_cluster(
     it (unshare ...).
 
     Started as a user starts it from the directory that holds model_dir, with a relative
-    --model_dir, which must mean that directory (not the checkout's).
+    --model_dir, which must mean that directory (not the checkout's). The workers' temporary
+    directory is `worker_tmp` beside model_dir (`leftover_worker_checkpoints`).
     """
+    (model_dir.parent / "worker_tmp").mkdir(exist_ok=True)
     return subprocess.Popen(
         [
             *prefix,
@@ -61,7 +63,7 @@ def start_cluster(
             *flags,
         ],
         cwd=model_dir.parent,
-        env=child_env(),
+        env=child_env({"TMPDIR": str(model_dir.parent / "worker_tmp")}),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -80,6 +82,12 @@ def wait_for(process: subprocess.Popen, pattern: str, timeout: float = 240) -> l
             return lines
     process.kill()
     raise AssertionError(f"no line matching {pattern!r}:\n" + "".join(lines[-40:]))
+
+
+def leftover_worker_checkpoints(model_dir) -> list[str]:
+    """The checkpoint files a cluster's workers left in their temporary directory: a worker
+    other than the chief writes its save there and must delete it (`run_state`)."""
+    return sorted(path.name for path in (model_dir.parent / "worker_tmp").glob("ckpt-*/*"))
 
 
 def launcher_lines(lines: Sequence[str]) -> list[tuple[int, int]]:
@@ -203,6 +211,7 @@ def test_a_killed_worker_stops_the_cluster_and_sigterm_saves_where_the_workers_a
     killed = int(tf.train.latest_checkpoint(model_dir / "checkpoints").rsplit("-", 1)[1])
     assert killed >= 10
     assert not (REPO_DIR / model_dir.name).exists()  # the relative --model_dir: the caller's
+    shutil.rmtree(model_dir.parent / "worker_tmp")  # what the SIGKILLed worker was writing
 
     cluster = start_cluster(model_dir, "--gin.Trainer.train_steps=100000")
     lines = wait_for(cluster, rf"\[worker 1\].*step {killed + 10}/100000")
@@ -218,6 +227,7 @@ def test_a_killed_worker_stops_the_cluster_and_sigterm_saves_where_the_workers_a
         int(m) for m in re.findall(r"preempted: saved a checkpoint at step (\d+)", output)
     )
     assert len(saved) == 2 and saved[0] == saved[1] and saved[0] >= killed + 10, output[-3000:]
+    assert leftover_worker_checkpoints(model_dir) == []
 
     end = saved[0] + 5
     restart = start_cluster(model_dir, f"--gin.Trainer.train_steps={end}")
@@ -225,6 +235,7 @@ def test_a_killed_worker_stops_the_cluster_and_sigterm_saves_where_the_workers_a
     assert restart.returncode == 0, output[-3000:]
     assert f"restored step {saved[0]}" in output
     assert (model_dir / "config.gin").exists()
+    assert leftover_worker_checkpoints(model_dir) == []
 
     args = {**tiny.TRAINER_ARGS, "remat_policy": "dots_saveable"}
     for stop in (killed, saved[0]):  # the clusters' interruptions
