@@ -59,7 +59,9 @@ def scan(
       carry: the loop's state (a tensor); differentiated.
       xs: tensors with a leading axis of the loop's length (static); step i reads slice i.
         Floating-point ones are differentiated.
-      consts: tensors every step reads whole (floating-point ones are differentiated).
+      consts: tensors every step reads whole (floating-point ones are differentiated). A
+        step may also close over eager tensors, differentiated as `consts` are; a graph tensor
+        it closes over must be passed in `consts` (an error says so).
       policy: what each step keeps for the backward pass (`remat.get_policy`). None is
         TensorFlow's own loop gradient, which keeps one copy per step of every value the step's
         gradient reads, elementwise ones included; `dots_saveable` recomputes no matmul either
@@ -90,12 +92,15 @@ def scan(
 
     forward_fn = tf_internals.trace_function(forward, *_step_specs(carry, xs, consts))
     _check_captures(forward_fn, label)
+    # Eager tensors the step closes over: differentiated as consts, read by the step's own code.
+    closures = [c for c in forward_fn.captured_inputs if differentiable(c)]
+    n_c = len(consts)
     outputs = forward_fn.outputs
     ys_out, kept_out = outputs[1 : 1 + n_y[0]], outputs[1 + n_y[0] :]
 
     @tf.custom_gradient
     def run(h0, *inputs):
-        stacked, whole = inputs[:n_x], inputs[n_x:]
+        stacked, whole = inputs[:n_x], inputs[n_x : n_x + n_c]
 
         def body(i, h, carries, ys, kept):
             out = forward_fn(h, *_slices(stacked, i), *whole)
@@ -123,12 +128,12 @@ def scan(
             d_ys = [g if differentiable(y) else None for y, g in zip(ys, d_ys)]
             with tf_internals.keras_call_state_entered(call_state):
                 return _backward(
-                    step, region, carries, stacked, whole, kept, d_h, d_ys, length, n_x
+                    step, region, carries, stacked, whole, closures, kept, d_h, d_ys, length
                 )
 
         return (h, *ys), grad_fn
 
-    h, *ys = run(carry, *xs, *consts)
+    h, *ys = run(carry, *xs, *consts, *closures)
     return h, ys
 
 
@@ -156,8 +161,9 @@ def _plain_loop(step, carry, xs, consts, length, label):
     return h, [a.stack() for a in ys]
 
 
-def _backward(step, region, carries, stacked, whole, kept, d_h, d_ys, length, n_x):
-    """Gradients for (carry, *xs, *consts) from the steps rebuilt in reverse order."""
+def _backward(step, region, carries, stacked, whole, closures, kept, d_h, d_ys, length):
+    """Gradients for (carry, *xs, *consts, *closures) from the steps rebuilt in reverse order."""
+    n_x = len(stacked)
     if d_h is None:
         d_h = tf.zeros(carries.shape[1:], carries.dtype)
     upstream = [i for i, g in enumerate(d_ys) if g is not None]
@@ -172,7 +178,8 @@ def _backward(step, region, carries, stacked, whole, kept, d_h, d_ys, length, n_
         dep = dependency([d_out, h])
         h = tied_input(h, dep)
         with tf.GradientTape() as tape:
-            sources = [h] + [t for t in slices + consts if differentiable(t)]
+            # An eager closure as itself: the tape follows the captures of it the step makes.
+            sources = [h] + [t for t in slices + consts if differentiable(t)] + closures
             tape.watch(sources)
             with region.replaying(dep, []):
                 new_h, ys = step(h, slices, consts)
@@ -197,8 +204,9 @@ def _backward(step, region, carries, stacked, whole, kept, d_h, d_ys, length, n_
     backward_fn = tf_internals.trace_function(backward, *specs)
     has_grad = connected[0]
     sources = [carries] + [t for t in list(stacked) + list(whole) if differentiable(t)]
-    # Source 0 is the carry; then the stacked inputs (a slot per step), then the constants
-    # (summed over the steps).
+    sources += closures
+    # Source 0 is the carry; then the stacked inputs (a slot per step), then the constants and
+    # closures (summed over the steps).
     n_stacked = sum(differentiable(x) for x in stacked)
     live = [k for k, has in enumerate(has_grad) if has]
     slots = [k for k in live if 1 <= k <= n_stacked]
@@ -238,6 +246,7 @@ def _backward(step, region, carries, stacked, whole, kept, d_h, d_ys, length, n_
     results = [next(flat)]
     results += [next(flat) if differentiable(t) else None for t in stacked]
     results += [next(flat) if differentiable(t) else None for t in whole]
+    results += list(flat)
     return results
 
 
@@ -246,10 +255,19 @@ def _slices(stacked: Sequence[tf.Tensor], i: tf.Tensor) -> list[tf.Tensor]:
     stacks stay float32 and each step converts only its own slice (see the module docstring)."""
     slices = [tf.gather(x, i) for x in stacked]
     wide = [k for k, t in enumerate(slices) if t.dtype == tf.float32]
-    bits = tf_internals.optimization_barrier([tf.bitcast(slices[k], tf.int32) for k in wide])
-    for k, b in zip(wide, bits):
-        slices[k] = tf.bitcast(b, tf.float32)
+    if wide:
+        for k, value in zip(wide, _through_barrier(*[slices[k] for k in wide])):
+            slices[k] = value
     return slices
+
+
+@tf.custom_gradient
+def _through_barrier(*values: tf.Tensor):
+    """`values` passed through the barrier as their bits, with the identity's gradient: the
+    backward loop's reads of the stacked inputs are differentiated in a second-order gradient,
+    and neither a bitcast nor the barrier has a gradient of its own."""
+    bits = tf_internals.optimization_barrier([tf.bitcast(v, tf.int32) for v in values])
+    return [tf.bitcast(b, tf.float32) for b in bits], lambda *dy: list(dy)
 
 
 def _step_specs(carry: tf.Tensor, xs: list, consts: list) -> list[tf.TensorSpec]:
@@ -272,9 +290,9 @@ def _arrays(tensors: Sequence[tf.Tensor], length: int) -> list[tf.TensorArray]:
 
 
 def _check_captures(function, label: str) -> None:
-    """A step may close over constants only: a variable it read or a graph tensor it closed over
-    would get no gradient from this loop's gradient function, and a Keras layer's state updated
-    inside a `ScannedBlocks` step (its stateless call) would lose its update."""
+    """A step may close over eager tensors only: a variable it read or a graph tensor it closed
+    over would get no gradient from this loop's gradient function, and a Keras layer's state
+    updated inside a `ScannedBlocks` step (its stateless call) would lose its update."""
     variables = {id(v.handle): v for v in function.variables}
     for captured in function.captured_inputs:
         if captured.dtype == tf.resource or (
