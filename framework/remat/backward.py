@@ -68,10 +68,12 @@ class RegionCall:
 
 
 def recompute_gradients(
-    forward: RegionCall, dy: list, variables: list[tf.Variable]
+    forward: RegionCall, dy: list, variables: list[tf.Variable], kept_dy: list = ()
 ) -> list[tf.Tensor | None]:
     """Gradients for the call's tensors, closures and `variables`, in that order, from a
-    recomputation of the region: `dy` are the upstream gradients of its results."""
+    recomputation of the region: `dy` are the upstream gradients of its results, `kept_dy`
+    (None or missing for none) those of the values its policy kept, which an eager call's
+    second-order gradient gives (`eager.EagerRegion`)."""
     region, effects = forward.region, forward.effects
     graph = tf.compat.v1.get_default_graph()
     dep = dependency(list(dy) + forward.tensors + forward.closures)
@@ -96,7 +98,7 @@ def recompute_gradients(
             results = CallStructure(forward.call(inputs))
     tf_internals.pass_eager_captures_through_control_flow(graph)
     targets, upstream = [], []
-    for t, g in zip(results.tensors(), dy):
+    for t, g in zip(results.tensors() + region.replayed_kept(), list(dy) + list(kept_dy)):
         if g is not None and differentiable(t):
             targets.append(t)
             upstream.append(g)

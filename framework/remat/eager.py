@@ -11,6 +11,13 @@ zeros for the gradient of a result nothing uses before any gradient function see
 time the region's gradient runs, the gates of the used results have run, so it differentiates
 the used results alone and inputs and variables that reach only unused results get None, as
 they do without remat (and in graph mode, where the unused results are read off the graph).
+
+The values the policy keeps are results of the op too, gated the same way, and the gradient
+function reads them through their gates. A first-order gradient leaves them unused; a
+second-order one differentiates the gradient function, reaches them, and the region's gradient
+then differentiates its recomputed ops' outputs where they were kept: without that path, the
+kept values would be constants to the outer tape and the second-order gradient would miss
+every term through them (graph mode has the path through its forward call op).
 """
 
 from __future__ import annotations
@@ -65,22 +72,27 @@ class EagerRegion:
             results = self._forward(*tensors)
         outputs, kept = list(results[:n_out]), list(results[n_out:])
         # Traced now: a forward-mode accumulator calls the gradient function alone (no gate
-        # runs), in a state where a trace's own tapes record nothing.
-        every = tuple(differentiable(t) for t in outputs)
-        if any(every):
-            self._backward_for(every, tensors, kept, snapshots)
+        # runs: every result counts as used), in a state where a trace's own tapes record
+        # nothing; otherwise a first-order gradient, through the results alone, is ahead.
+        first_order = tuple(differentiable(t) for t in outputs) + (False,) * len(kept)
+        if any(first_order):
+            every = tuple(differentiable(t) for t in outputs + kept)
+            accumulating = tf_internals.forward_accumulator_active()
+            self._backward_for(every if accumulating else first_order, tensors, kept, snapshots)
+        gated_kept: list[tf.Tensor] = []  # the kept values as the gradient function reads them
 
         def backward(mask: tuple[bool, ...], upstream: list[tf.Tensor]) -> list:
             function, connected = self._backward_for(mask, tensors, kept, snapshots)
-            grads = iter(function(*tensors, *kept, *snapshots, *upstream))
+            grads = iter(function(*tensors, *gated_kept, *snapshots, *upstream))
             flat = [next(grads) if has else None for has in connected]
             # To the op's inputs: the differentiable tensors, closures and variables.
             by_tensor, rest = flat[: len(tensors)], flat[len(tensors) :]
             return [g for t, g in zip(tensors, by_tensor) if differentiable(t)] + rest
 
         sources = [t for t in tensors if differentiable(t)] + self._closures
-        outputs = attach_gradient(outputs, sources, self._variables, backward)
-        return self.layout.pack(outputs)
+        gated = attach_gradient(outputs + kept, sources, self._variables, backward)
+        gated_kept.extend(gated[n_out:])
+        return self.layout.pack(gated[:n_out])
 
     def _backward_for(
         self,
@@ -89,10 +101,12 @@ class EagerRegion:
         kept: list[tf.Tensor],
         snapshots: list[tf.Tensor],
     ) -> tuple[Callable, list[bool]]:
-        """The traced backward pass for the results `mask` marks as used, and which of its
-        gradients exist (the tensors', closures' and variables', in that order)."""
+        """The traced backward pass for the results `mask` marks as used (the region's results,
+        then its kept values), and which of its gradients exist (the tensors', closures' and
+        variables', in that order)."""
         if mask not in self._backward:
             n_tensors, n_kept, n_snapshots = len(tensors), len(kept), len(snapshots)
+            n_out = len(mask) - n_kept
             connected: list[bool] = []
 
             def backward(*args):
@@ -108,11 +122,13 @@ class EagerRegion:
                     list(args[n_tensors + n_kept : n_tensors + n_kept + n_snapshots]),
                 )
                 with tf_internals.keras_call_state_entered(self._state):
-                    grads = recompute_gradients(forward, dy, self._variables)
+                    grads = recompute_gradients(
+                        forward, dy[:n_out], self._variables, kept_dy=dy[n_out:]
+                    )
                 connected.extend(g is not None for g in grads)
                 return [g for g in grads if g is not None]
 
-            outputs = self.layout.tensors()
+            outputs = self.layout.tensors() + kept
             specs = [_spec(t) for t in tensors + kept + snapshots]
             specs += [_spec(o) for o, used in zip(outputs, mask) if used]
             self._backward[mask] = (tf_internals.trace_function(backward, *specs), connected)

@@ -113,6 +113,7 @@ class _Entry:
     candidate: tuple[tf.Tensor, ...] | None = None  # outputs a policy may keep
     saved: tuple[tf.Tensor, ...] | None = None  # inside the forward function
     kept: tuple[tf.Tensor, ...] | None = None  # the same values, outputs of the forward call
+    replayed: tuple[tf.Tensor, ...] | None = None  # what the recomputation reads instead
 
 
 class Region:
@@ -177,6 +178,12 @@ class Region:
                 for k in kept:
                     tf_internals.set_string_attr(k.op, KEPT_ATTR, entry.origin)
                 entry.kept = tuple(kept)
+
+    def replayed_kept(self) -> list[tf.Tensor]:
+        """The kept values as the last recomputation read them, in `saved()` order. The tape
+        records each as an output of its recomputed op, so a gradient given to one reaches that
+        op's inputs: the path a second-order gradient takes through a kept value."""
+        return [t for e in self.entries if e.saved is not None for t in e.replayed]
 
     @contextlib.contextmanager
     def replaying(self, dep: tf.Tensor, state: list[tf.Tensor]) -> Iterator[None]:
@@ -314,7 +321,8 @@ class Region:
             if expected.op_type not in _KEY_OPS:  # a draw ties the key it reads to the pass
                 dep = in_graph(self.dep, graph)
                 kept = [with_dep(k, dep) for k in kept]
-            return tuple(
+            entry.replayed = tuple(
                 unpack_bits(k, t.shape) if packable(t) else k
                 for k, t in zip(kept, outputs, strict=True)
             )
+            return entry.replayed

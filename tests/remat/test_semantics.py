@@ -344,6 +344,52 @@ def test_second_order_through_control_flow_and_dropout(mode, construct):
     assert len(runs) >= 2, len(runs)
 
 
+_KEPT_SEEDS = keras.random.SeedGenerator(5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "dots_saveable",
+        "dots_saveable+random_masks_saveable",
+        remat.policies.save_only_these_names("h"),
+    ],
+)
+def test_second_order_through_the_values_a_policy_keeps(mode, policy):
+    """A Hessian-vector product through values the policy keeps (a matmul, a named value, a
+    dropout mask), for an input and a variable: the first gradient reads the kept values, so the
+    second must differentiate them too (in eager mode they once were constants to it)."""
+    w = tf.Variable(rand(4, 4))
+    runs = []
+
+    def block(x):
+        runs.append(1)
+        h = remat.checkpoint_name(tf.matmul(x, w), "h")
+        return tf.matmul(tf.tanh(keras.random.dropout(h, 0.3, seed=_KEPT_SEEDS)), w)
+
+    def hessian_vector(wrap):
+        def step(x, v):
+            with tf.GradientTape() as outer:
+                with tf.GradientTape() as inner:
+                    inner.watch(x)
+                    outer.watch(x)
+                    y = tf.reduce_sum(tf.sin(wrap(block)(x)))
+                gx, gw = inner.gradient(y, [x, w])
+                gv = tf.reduce_sum(gx * v) + tf.reduce_sum(gw * gw)
+            return [gx, gw, *outer.gradient(gv, [x, w])]
+
+        return compiled(step, mode)
+
+    x, v = rand(3, 4), rand(3, 4)
+    _KEPT_SEEDS.state.assign([5, 0])
+    want = hessian_vector(plain)(x, v)
+    _KEPT_SEEDS.state.assign([5, 0])
+    runs.clear()
+    assert_close(hessian_vector(lambda fn: remat.checkpoint(fn, policy))(x, v), want, tol=1e-4)
+    assert len(runs) >= 2, len(runs)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_closure_inside_a_scanned_region_body(mode):
     def make(wrap):
