@@ -32,6 +32,8 @@ class ActivePass(Protocol):
 
     def top_level_op(self, op: tf.Operation, attrs, outputs): ...
 
+    def constant(self, value) -> None: ...
+
     def owns(self, graph: tf.Graph) -> bool: ...
 
 
@@ -95,6 +97,10 @@ def tagging(name: str) -> contextlib.AbstractContextManager:
 def _dispatch(op_type, inputs, attrs, outputs, op_name=None, graph=None):
     stack = _stack()
     if not stack or graph is None or op_type in _IGNORED_OPS:
+        if op_type == "Const" and stack and attrs:
+            for region in reversed(stack):
+                if graph is region.graph:
+                    region.constant(dict(zip(attrs[::2], attrs[1::2])).get("value"))
         return None
     op = graph.get_operation_by_name(op_name)
     if outputs is None:  # a callback registered before ours returned nothing

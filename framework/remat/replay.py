@@ -30,6 +30,7 @@ import dataclasses
 import enum
 from collections.abc import Iterator
 
+import numpy as np
 import tensorflow as tf
 
 from framework.core import tf_internals
@@ -77,6 +78,12 @@ def _describe(info: OpInfo) -> str:
     outs = ", ".join(f"{d.name}{list(s)}" for s, d in zip(info.shapes, info.dtypes, strict=False))
     tag = f" tagged {info.name!r}" if info.name else ""
     return f"{info.op_type}{tag} -> ({outs})"
+
+
+def _constant(value) -> str:
+    """A constant's value (an `AttrValue` proto) as an error shows it."""
+    array = tf.make_ndarray(value.tensor)
+    return str(array.tolist()) if array.size <= 8 else np.array2string(array, threshold=8)
 
 
 KEPT_ATTR = "_remat_kept"  # on the identity of each kept value: what it was (for the report)
@@ -133,6 +140,8 @@ class Region:
         self._cursor = 0
         self._random_values = RandomValues()
         self._producers: dict = {}  # recorded tensor -> its op's entry (`_Entry.read`)
+        self._constants: list = []  # the values of the pass's top-level constants, in order
+        self._replayed_constants: list = []
         self._holder = None  # the Keras layer the forward pass ran in
 
     @contextlib.contextmanager
@@ -150,7 +159,7 @@ class Region:
 
     def recording(self, dep: tf.Tensor) -> contextlib.AbstractContextManager:
         """Context in which the forward pass is traced; `dep` is a zero tied to the inputs."""
-        self.entries = []
+        self.entries, self._constants = [], []
         self._random_values, self._producers = RandomValues(), {}
         return self._active(Pass.RECORD, dep)
 
@@ -194,7 +203,7 @@ class Region:
           state: handles (as the replay graph sees them) of the variables the region writes;
             ops using them are ordered after the snapshot restore (`StateOrder`).
         """
-        self._cursor = 0
+        self._cursor, self._replayed_constants = 0, []
         graph = tf.compat.v1.get_default_graph()
         start = len(graph.get_operations()) if state else 0
         before = {h.ref(): StateOrder.last(graph, h) for h in state}
@@ -214,6 +223,28 @@ class Region:
                 "region must build the same ops on every call (no Python state that changes "
                 "between the forward pass and the recomputation)."
             )
+        self._check_constants()
+
+    def constant(self, value) -> None:
+        """Notes the value (an `AttrValue` proto) of a constant built at the region's top level.
+        Constants are not numbered with the ops (code may cache one between passes), but a
+        Python value that changed between the passes builds the same ops around another
+        constant: `_check_constants` compares them."""
+        (self._constants if self._pass is Pass.RECORD else self._replayed_constants).append(value)
+
+    def _check_constants(self) -> None:
+        """Raises if the recomputation built as many constants as the forward pass but one
+        holds another value (a count that differs is left to the ops' check)."""
+        if len(self._replayed_constants) != len(self._constants):
+            return
+        for index, (old, new) in enumerate(zip(self._constants, self._replayed_constants)):
+            if old != new:
+                raise RecomputationMismatchError(
+                    f"Recomputation of remat region {self.label!r} built constant #{index} as "
+                    f"{_constant(new)} where its forward pass built {_constant(old)}: the "
+                    "region must build the same ops on every call (no Python state that "
+                    "changes between the forward pass and the recomputation)."
+                )
 
     def owns(self, graph: tf.Graph) -> bool:
         """Whether `graph` is a control-flow body built inside this region's top level."""

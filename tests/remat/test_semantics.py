@@ -819,6 +819,20 @@ def test_errors_keep_their_class_through_tf_function(mode):
         assert isinstance(info.value, remat.RematError)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_python_value_that_changes_between_the_passes_is_a_mismatch(mode):
+    """The same ops around another constant (a Python counter the region reads) would
+    differentiate another function: the determinism check compares the constants too."""
+    calls = []
+
+    def scaled_by_calls(x):
+        calls.append(1)
+        return tf.sin(x) * float(len(calls))
+
+    with pytest.raises(remat.RecomputationMismatchError, match=r"as 2.0 where .* built 1.0"):
+        grads(mode, lambda x: tf.reduce_sum(remat.checkpoint(scaled_by_calls)(x)), rand(3))
+
+
 def test_forward_mode_gives_the_plain_jvp():
     body = Counted(lambda x: tf.sin(x) * x)
     region = remat.checkpoint(body)
