@@ -32,7 +32,7 @@ from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.protobuf import trackable_object_graph_pb2 as trackable_object_graph_pb2
 from tensorflow.python.eager import context, forwardprop_util, record
 from tensorflow.python.framework import op_callbacks
-from tensorflow.python.ops import control_flow_v2_func_graphs, resource_variable_ops
+from tensorflow.python.ops import control_flow_v2_func_graphs, gradients_util, resource_variable_ops
 from tensorflow.python.training.py_checkpoint_reader import CheckpointReader as CheckpointReader
 from tensorflow.tsl.profiler.protobuf import xplane_pb2 as xplane_pb2
 
@@ -185,6 +185,16 @@ def create_keras_global_seed_generator() -> None:
 def forward_accumulator_active() -> bool:
     """Whether a `tf.autodiff.ForwardAccumulator` is active in this thread."""
     return bool(forwardprop_util.pack_tangents([]).indices)
+
+
+def higher_order_gradient_possible(tensors: list[tf.Tensor]) -> bool:
+    """Whether a gradient of a gradient of `tensors` could be taken: a persistent tape or
+    several tapes watch them, or a forward accumulator does (TensorFlow's own test for giving a
+    function call's gradient what a second-order gradient needs)."""
+    return (
+        gradients_util.PossibleTapeGradientTypes(tensors)
+        == gradients_util.POSSIBLE_GRADIENT_TYPES_HIGHER_ORDER
+    )
 
 
 def tape_is_active() -> bool:

@@ -12,12 +12,15 @@ time the region's gradient runs, the gates of the used results have run, so it d
 the used results alone and inputs and variables that reach only unused results get None, as
 they do without remat (and in graph mode, where the unused results are read off the graph).
 
-The values the policy keeps are results of the op too, gated the same way, and the gradient
-function reads them through their gates. A first-order gradient leaves them unused; a
-second-order one differentiates the gradient function, reaches them, and the region's gradient
-then differentiates its recomputed ops' outputs where they were kept: without that path, the
-kept values would be constants to the outer tape and the second-order gradient would miss
-every term through them (graph mode has the path through its forward call op).
+Where a second-order gradient could follow (a persistent tape or several tapes watch the call,
+or a forward accumulator), the values the policy keeps are results of the op too, gated the
+same way, and the gradient function reads them through their gates. A first-order gradient
+leaves them unused; a second-order one differentiates the gradient function, reaches them, and
+the region's gradient then differentiates its recomputed ops' outputs where they were kept:
+without that path, the kept values would be constants to the outer tape and the second-order
+gradient would miss every term through them (graph mode has the path through its forward call
+op). With a single non-persistent tape they stay off the tape, which would otherwise fill in
+zeros of each one's size for the gradient function.
 """
 
 from __future__ import annotations
@@ -82,16 +85,24 @@ class EagerRegion:
         gated_kept: list[tf.Tensor] = []  # the kept values as the gradient function reads them
 
         def backward(mask: tuple[bool, ...], upstream: list[tf.Tensor]) -> list:
+            mask += (False,) * (len(first_order) - len(mask))  # kept values not on the tape
             function, connected = self._backward_for(mask, tensors, kept, snapshots)
-            grads = iter(function(*tensors, *gated_kept, *snapshots, *upstream))
+            # (Before the gates exist when a forward accumulator calls it as the op is recorded.)
+            grads = iter(function(*tensors, *(gated_kept or kept), *snapshots, *upstream))
             flat = [next(grads) if has else None for has in connected]
             # To the op's inputs: the differentiable tensors, closures and variables.
             by_tensor, rest = flat[: len(tensors)], flat[len(tensors) :]
             return [g for t, g in zip(tensors, by_tensor) if differentiable(t)] + rest
 
         sources = [t for t in tensors if differentiable(t)] + self._closures
-        gated = attach_gradient(outputs + kept, sources, self._variables, backward)
-        gated_kept.extend(gated[n_out:])
+        # Only where a second-order gradient could follow: the tape fills in zeros for every
+        # result a gradient leaves unused, a kept value's size each.
+        recorded = outputs + kept
+        watched = sources + [v.handle for v in self._variables]
+        if not tf_internals.higher_order_gradient_possible(watched):
+            recorded = outputs
+        gated = attach_gradient(recorded, sources, self._variables, backward)
+        gated_kept.extend(gated[n_out:] or kept)
         return self.layout.pack(gated[:n_out])
 
     def _backward_for(

@@ -358,8 +358,9 @@ _KEPT_SEEDS = keras.random.SeedGenerator(5)
 )
 def test_second_order_through_the_values_a_policy_keeps(mode, policy):
     """A Hessian-vector product through values the policy keeps (a matmul, a named value, a
-    dropout mask), for an input and a variable: the first gradient reads the kept values, so the
-    second must differentiate them too (in eager mode they once were constants to it)."""
+    dropout mask), for an input and a variable, with two tapes and as a forward accumulator's
+    JVP of the gradient: the first gradient reads the kept values, so the second must
+    differentiate them too (in eager mode they once were constants to it)."""
     w = tf.Variable(rand(4, 4))
     runs = []
 
@@ -381,13 +382,26 @@ def test_second_order_through_the_values_a_policy_keeps(mode, policy):
 
         return compiled(step, mode)
 
+    def forward_over_reverse(wrap):  # the same product, as a JVP of the gradient
+        def step(x, v):
+            with tf.autodiff.ForwardAccumulator(x, v) as accumulator:
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    y = tf.reduce_sum(tf.sin(wrap(block)(x)))
+                gx = tape.gradient(y, x)
+            return accumulator.jvp(gx)
+
+        return compiled(step, mode)
+
     x, v = rand(3, 4), rand(3, 4)
-    _KEPT_SEEDS.state.assign([5, 0])
-    want = hessian_vector(plain)(x, v)
-    _KEPT_SEEDS.state.assign([5, 0])
-    runs.clear()
-    assert_close(hessian_vector(lambda fn: remat.checkpoint(fn, policy))(x, v), want, tol=1e-4)
-    assert len(runs) >= 2, len(runs)
+    for product in (hessian_vector, forward_over_reverse):
+        _KEPT_SEEDS.state.assign([5, 0])
+        want = product(plain)(x, v)
+        _KEPT_SEEDS.state.assign([5, 0])
+        runs.clear()
+        got = product(lambda fn: remat.checkpoint(fn, policy))(x, v)
+        assert_close(got, want, tol=1e-4)
+        assert len(runs) >= 2, len(runs)
 
 
 @pytest.mark.parametrize("mode", MODES)
