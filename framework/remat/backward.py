@@ -33,6 +33,8 @@ def trace_forward(
         cannot draw again.
     """
     layouts: list[CallStructure] = []
+    if getattr(region.policy, "select", None) is not None:
+        region.pricing = _pricing_at_static_shapes(region, call, tensors)
 
     def forward(*inputs):
         with region.recording(dependency(list(inputs))):
@@ -44,6 +46,41 @@ def trace_forward(
     if effects.stateful_random_ops:
         raise stateful_random_error(region.label, effects.stateful_random_ops)
     return function, layouts[-1], effects
+
+
+# What an unknown dimension of a region's inputs stands for when a policy prices its values.
+STAND_IN_SIZE = 8
+
+
+def _pricing_at_static_shapes(
+    region: Region, call: Callable[[list[tf.Tensor]], object], tensors: list[tf.Tensor]
+) -> list | None:
+    """What a policy that prices values by their shapes (a memory budget) should see of the
+    region's ops, when the call leaves dimensions unknown: the ops of a second trace, for
+    pricing only, with each unknown dimension of the inputs `STAND_IN_SIZE`. None when every
+    shape is known or a rank is not.
+
+    Keras' `fit` traces its step with the batch dimension unknown. Counting that dimension as
+    any one size would not do: a dense layer flattens its input to `[batch x sequence, width]`,
+    where the unknown dimension stands for a different product than in `[batch, sequence,
+    width]`, and the budget would weigh the two wrongly against each other.
+    """
+    shapes = [t.shape for t in tensors]
+    if all(s.is_fully_defined() for s in shapes) or any(s.rank is None for s in shapes):
+        return None
+    specs = [
+        tf.TensorSpec([STAND_IN_SIZE if d is None else d for d in s.as_list()], t.dtype)
+        for s, t in zip(shapes, tensors)
+    ]
+    probe = Region(region.policy, region.label, region.keep_random_keys)
+
+    def forward(*inputs):
+        with probe.recording(dependency(list(inputs))):
+            call(list(inputs))
+        return []
+
+    tf_internals.trace_function(forward, *specs)
+    return [e.info for e in probe.entries if e.candidate is not None]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,14 @@ MASK_BITS = {"CPU": 1, "GPU": 1, "TPU": 8}
 
 
 def _elements(shape: tuple[int | None, ...]) -> int:
-    return 0 if any(d is None for d in shape) else math.prod(shape)
+    """Values in `shape`, an unknown dimension counted as 1 (a region whose inputs' shapes are
+    not all known is priced from a trace at static shapes instead: `backward.trace_forward`)."""
+    return math.prod(1 if d is None else d for d in shape)
+
+
+def _known(*sizes: int | None) -> int:
+    """The first of `sizes` that is known, else 1."""
+    return next((size for size in sizes if size is not None), 1)
 
 
 def kept_bytes(op: OpInfo, mask_bits: int = 1) -> int:
@@ -58,26 +65,33 @@ def kept_bytes(op: OpInfo, mask_bits: int = 1) -> int:
 def _contracted(op: OpInfo) -> int:
     """The size of the dimensions a product sums over (1 when the shapes do not say)."""
     a = op.input_shapes[0] if op.input_shapes else ()
+    b = op.input_shapes[1] if len(op.input_shapes) > 1 else ()
     if op.op_type == "MatMul" and len(a) == 2:
-        transposed = op.attr("transpose_a")
-        return a[0] if transposed is not None and transposed.b else a[1]
+        a_side = 0 if _flag(op, "transpose_a") else 1
+        b_side = 1 if _flag(op, "transpose_b") else 0
+        return _known(a[a_side], b[b_side] if len(b) == 2 else None)
     if op.op_type.startswith("BatchMatMul") and len(a) >= 2:
-        adjoint = op.attr("adj_x")
-        return a[-2] if adjoint is not None and adjoint.b else a[-1]
+        a_side = -2 if _flag(op, "adj_x") else -1
+        b_side = -1 if _flag(op, "adj_y") else -2
+        return _known(a[a_side], b[b_side] if len(b) >= 2 else None)
     labels = op.einsum_labels()
     if labels is not None and "." not in "".join(labels[0]):
         operands, out = labels
-        sizes = {
-            label: size
-            for letters, shape in zip(operands, op.input_shapes, strict=False)
-            for label, size in zip(letters, shape, strict=False)
-        }
-        summed = [sizes[label] for label in set("".join(operands)) - set(out)]
-        return math.prod(summed) if all(summed) else 1
+        sizes: dict[str, int] = {}
+        for letters, shape in zip(operands, op.input_shapes, strict=False):
+            for label, size in zip(letters, shape, strict=False):
+                if size is not None:
+                    sizes[label] = size
+        return math.prod(sizes.get(label, 1) for label in set("".join(operands)) - set(out))
     if op.op_type.startswith("Conv") and len(op.input_shapes) > 1:
         kernel = op.input_shapes[1]  # [spatial..., in, out]
         return math.prod(kernel[:-1]) if all(kernel[:-1]) else 1
     return 1
+
+
+def _flag(op: OpInfo, key: str) -> bool:
+    value = op.attr(key)
+    return value is not None and value.b
 
 
 def recompute_flops(op: OpInfo) -> int:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import enum
 from collections.abc import Iterator
 
@@ -86,6 +87,20 @@ def _constant(value) -> str:
     return str(array.tolist()) if array.size <= 8 else np.array2string(array, threshold=8)
 
 
+def _priced(infos: list[OpInfo], static: list[OpInfo]) -> list[OpInfo]:
+    """`infos`, each op that the trace at static shapes built too (matched in order, by type
+    and dtypes) replaced by that trace's, whose shapes are known. An op that trace lacks (code
+    that builds more ops when shapes are unknown, such as a transpose before a flattening
+    reshape) is given no size, so a policy that prices values keeps it never."""
+    key = [(i.op_type, i.dtypes) for i in infos]
+    static_key = [(i.op_type, i.dtypes) for i in static]
+    matcher = difflib.SequenceMatcher(a=key, b=static_key, autojunk=False)
+    priced = [dataclasses.replace(i, shapes=tuple((0,) for _ in i.shapes)) for i in infos]
+    for block in matcher.get_matching_blocks():
+        priced[block.a : block.a + block.size] = static[block.b : block.b + block.size]
+    return priced
+
+
 KEPT_ATTR = "_remat_kept"  # on the identity of each kept value: what it was (for the report)
 
 
@@ -143,6 +158,9 @@ class Region:
         self._constants: list = []  # the values of the pass's top-level constants, in order
         self._replayed_constants: list = []
         self._holder = None  # the Keras layer the forward pass ran in
+        # The candidates' ops at static shapes, for a policy that prices values by their shapes
+        # when the pass leaves some unknown (`backward.trace_forward`).
+        self.pricing: list[OpInfo] | None = None
 
     @contextlib.contextmanager
     def _active(self, built: Pass, dep: tf.Tensor) -> Iterator[None]:
@@ -169,7 +187,10 @@ class Region:
         select = getattr(self.policy, "select", None)
         if select is not None:
             candidates = [e for e in self.entries if e.candidate is not None]
-            chosen = select([e.info for e in candidates], [e.read for e in candidates])
+            infos = [e.info for e in candidates]
+            if self.pricing is not None:
+                infos = _priced(infos, self.pricing)
+            chosen = select(infos, [e.read for e in candidates])
             name = policy_name(self.policy)
             for position, flops_per_byte in chosen.items():
                 entry = candidates[position]

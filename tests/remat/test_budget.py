@@ -3,6 +3,7 @@ gradients under dropout, and its errors."""
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -22,6 +23,9 @@ def _op(op_type, shapes, dtypes=None, input_shapes=(), attrs=(), random=False):
 def test_recompute_flops_count_products_exactly_and_the_rest_per_value():
     matmul = _op("MatMul", [(8, 32)], input_shapes=((8, 64), (64, 32)))
     assert policies.recompute_flops(matmul) == 2 * 8 * 32 * 64
+    # Shapes a trace leaves unknown (a dense layer in Keras' fit): the kernel says what is summed.
+    unknown = _op("MatMul", [(None, 32)], input_shapes=((None, None), (64, 32)))
+    assert policies.recompute_flops(unknown) == 2 * 32 * 64
     equation = tf.compat.v1.AttrValue(s=b"bqhd,bkhd->bhqk")
     attention = _op(
         "Einsum",
@@ -150,6 +154,39 @@ def test_budget_gradients_match_no_remat_with_dropout(mode, fractions):
         assert rel_err(got, want) < TOL, (mode, fraction, rel_err(got, want))
         for blk in blocks:
             remat.checkpoint(blk, None)
+
+
+class _Picks(policies.MemoryBudget):
+    """A budget that also notes, per region, the types of the ops whose values it kept."""
+
+    def select(self, ops, read):
+        kept = super().select(ops, read)
+        self.picks.append([ops[i].op_type for i in sorted(kept)])
+        return kept
+
+
+def test_the_budget_picks_the_same_values_when_fit_leaves_the_batch_unknown():
+    """Keras' `fit` traces its step with the batch dimension unknown. The budget must keep what
+    it keeps at a known batch size: it once failed there (a product whose contracted size the
+    shapes did not give) and priced every value of the batch's size at 0 bytes."""
+    blocks, x = make_stack(n=2)
+    model = keras.Sequential([keras.Input((8, 16)), *blocks])
+    model.compile(optimizer="sgd", loss="mse")
+    picks = {}
+    for batch in (2, None):
+        policy = _Picks(0.3)
+        object.__setattr__(policy, "picks", [])
+        remat.set_grad_checkpointing(model, policy=policy)
+        if batch is None:
+            data = tf.data.Dataset.from_tensor_slices((x, x)).batch(2)
+            assert data.element_spec[0].shape[0] is None
+            model.fit(data, epochs=1, verbose=0)
+        else:
+            stack_step(blocks, "graph").get_concrete_function(tf.TensorSpec((batch, 8, 16)))
+        picks[batch] = policy.picks
+    assert picks[2] and picks[2][0], picks  # the budget kept something
+    assert all(p == picks[2][0] for p in picks[None]), picks
+    remat.set_grad_checkpointing(model, enable=False)
 
 
 def test_budget_names_and_errors():
