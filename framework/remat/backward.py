@@ -58,7 +58,8 @@ def _pricing_at_static_shapes(
     """What a policy that prices values by their shapes (a memory budget) should see of the
     region's ops, when the call leaves dimensions unknown: the ops of a second trace, for
     pricing only, with each unknown dimension of the inputs `STAND_IN_SIZE`. None when every
-    shape is known or a rank is not.
+    shape is known, a rank is not, or the code cannot run at those sizes (the pricing then
+    counts an unknown dimension as 1).
 
     Keras' `fit` traces its step with the batch dimension unknown. Counting that dimension as
     any one size would not do: a dense layer flattens its input to `[batch x sequence, width]`,
@@ -79,7 +80,10 @@ def _pricing_at_static_shapes(
             call(list(inputs))
         return []
 
-    tf_internals.trace_function(forward, *specs)
+    try:
+        tf_internals.trace_function(forward, *specs)
+    except Exception:  # code that cannot run at the stand-in sizes: priced as traced
+        return None
     return [e.info for e in probe.entries if e.candidate is not None]
 
 

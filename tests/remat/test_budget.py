@@ -189,6 +189,29 @@ def test_the_budget_picks_the_same_values_when_fit_leaves_the_batch_unknown():
     remat.set_grad_checkpointing(model, enable=False)
 
 
+def test_a_region_that_cannot_run_at_the_pricing_sizes_is_priced_as_traced():
+    """The pricing trace sets unknown dimensions to a stand-in size; code that refuses that size
+    (a position table shorter than it, say) is priced from its own trace instead of failing."""
+
+    def short_sequences_only(x):
+        if x.shape[1] is not None and x.shape[1] > 4:
+            raise ValueError("at most 4 positions")
+        return tf.tanh(x @ tf.ones((3, 3)))
+
+    region = remat.checkpoint(short_sequences_only, "budget:0.5")
+
+    @tf.function(input_signature=[tf.TensorSpec((None, None, 3))])
+    def gradient(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(region(x))
+        return tape.gradient(y, x)
+
+    x = tf.random.normal((2, 3, 3), seed=4)
+    want = (1 - tf.tanh(x @ tf.ones((3, 3))) ** 2) @ tf.ones((3, 3))
+    np.testing.assert_allclose(gradient(x), want, rtol=1e-5, atol=1e-6)
+
+
 def test_budget_names_and_errors():
     assert remat.get_policy("budget:0.25") == policies.MemoryBudget(0.25)
     assert remat.get_policy(" Budget:1 ").fraction == 1.0
