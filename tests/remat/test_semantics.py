@@ -347,6 +347,7 @@ def test_second_order_through_control_flow_and_dropout(mode, construct):
 _KEPT_SEEDS = keras.random.SeedGenerator(5)
 
 
+@pytest.mark.tf_compat
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
     "policy",
