@@ -348,7 +348,7 @@ _KEPT_SEEDS = keras.random.SeedGenerator(5)
 
 
 @pytest.mark.tf_compat
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ["eager", "graph", pytest.param("xla", marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "policy",
     [
