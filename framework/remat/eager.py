@@ -78,9 +78,9 @@ class EagerRegion:
         # runs: every result counts as used), in a state where a trace's own tapes record
         # nothing; otherwise a first-order gradient, through the results alone, is ahead.
         first_order = tuple(differentiable(t) for t in outputs) + (False,) * len(kept)
+        accumulating = tf_internals.forward_accumulator_active()
         if any(first_order):
             every = tuple(differentiable(t) for t in outputs + kept)
-            accumulating = tf_internals.forward_accumulator_active()
             self._backward_for(every if accumulating else first_order, tensors, kept, snapshots)
         gated_kept: list[tf.Tensor] = []  # the kept values as the gradient function reads them
 
@@ -99,7 +99,7 @@ class EagerRegion:
         # result a gradient leaves unused, a kept value's size each.
         recorded = outputs + kept
         watched = sources + [v.handle for v in self._variables]
-        if not tf_internals.higher_order_gradient_possible(watched):
+        if not accumulating and not tf_internals.higher_order_gradient_possible(watched):
             recorded = outputs
         gated = attach_gradient(recorded, sources, self._variables, backward)
         gated_kept.extend(gated[n_out:] or kept)

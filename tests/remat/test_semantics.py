@@ -848,23 +848,28 @@ def test_a_python_value_that_changes_between_the_passes_is_a_mismatch(mode):
         grads(mode, lambda x: tf.reduce_sum(remat.checkpoint(scaled_by_calls)(x)), rand(3))
 
 
-def test_forward_mode_gives_the_plain_jvp():
-    body = Counted(lambda x: tf.sin(x) * x)
-    region = remat.checkpoint(body)
-    x, v = rand(4), rand(4)
-    with tf.autodiff.ForwardAccumulator(x, v) as acc:
-        y = region(x)
-    np.testing.assert_allclose(acc.jvp(y), (tf.cos(x) * x + tf.sin(x)) * v, rtol=1e-5)
+@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable"])
+def test_forward_mode_gives_the_plain_jvp(policy):
+    w = rand(4, 4)
+
+    def sin_of_product_times_x(x):
+        return tf.sin(x @ w) * x
+
+    body = Counted(sin_of_product_times_x)
+    region = remat.checkpoint(body, policy)
+    x, v = rand(3, 4), rand(3, 4)
+
+    def jvp(fn, x, v):
+        with tf.autodiff.ForwardAccumulator(x, v) as accumulator:
+            y = fn(x)
+        return accumulator.jvp(y)
+
+    want = jvp(sin_of_product_times_x, x, v)
+    np.testing.assert_allclose(jvp(region, x, v), want, rtol=1e-5, atol=1e-6)
     assert body.calls >= 2  # forward-mode goes through the recomputation's gradient
-
-    def jvp(x, v):
-        with tf.autodiff.ForwardAccumulator(x, v) as acc:
-            y = region(x)
-        return acc.jvp(y)
-
     for jit in (False, True):
-        got = tf.function(jvp, jit_compile=jit)(x, v)
-        np.testing.assert_allclose(got, (tf.cos(x) * x + tf.sin(x)) * v, rtol=1e-5)
+        got = tf.function(lambda x, v: jvp(region, x, v), jit_compile=jit)(x, v)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def _dots(step, *args) -> int:
