@@ -73,8 +73,11 @@ def write_run_record(model_dir: str, config: str, command: str) -> None:
     config_path = files.join(model_dir, "config.gin")
     if tf.io.gfile.exists(config_path) and files.read_text(config_path) != config:
         stamp = datetime.datetime.fromtimestamp(files.modified_time(config_path))
-        kept = files.join(model_dir, f"config-{stamp:%Y%m%d-%H%M%S}.gin")
-        tf.io.gfile.rename(config_path, kept, overwrite=True)
+        # Copied, not moved: config.gin stays the run's until the new one is written whole.
+        files.write_bytes(
+            files.join(model_dir, f"config-{stamp:%Y%m%d-%H%M%S}.gin"),
+            files.read_text(config_path),
+        )
     files.write_bytes(config_path, config)
     files.write_bytes(files.join(model_dir, "command"), command + "\n")
     logging.info("wrote %s (the operative config) and the command", config_path)

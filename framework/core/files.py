@@ -47,11 +47,16 @@ def read_text(path: str) -> str:
 def write_bytes(path: str, data: bytes | str) -> None:
     """Writes `path` whole: to a temporary name beside it, then renamed over it, so a reader
     never sees half a file (on object stores, where a rename is a copy, the object appears
-    whole anyway)."""
+    whole anyway); a write that fails leaves `path` as it was and no temporary file."""
     temporary = f"{path}.tmp-{uuid.uuid4().hex}"
-    with tf.io.gfile.GFile(temporary, "wb") as file:
-        file.write(data.encode() if isinstance(data, str) else data)
-    tf.io.gfile.rename(temporary, path, overwrite=True)
+    try:
+        with tf.io.gfile.GFile(temporary, "wb") as file:
+            file.write(data.encode() if isinstance(data, str) else data)
+        tf.io.gfile.rename(temporary, path, overwrite=True)
+    except BaseException:  # a full disk, say: leave nothing half-written behind
+        if tf.io.gfile.exists(temporary):
+            tf.io.gfile.remove(temporary)
+        raise
 
 
 def modified_time(path: str) -> float:

@@ -17,7 +17,7 @@ import tensorflow as tf
 from framework import cli, train
 from framework.data import text
 from framework.trainer import settings, trainer
-from tests.subprocesses import REPO_DIR, child_env, command, run_binary
+from tests.subprocesses import REPO_DIR, child_env, command, run_binary, run_python
 
 TINY_RUN = [
     "--gin_file=quickstart.gin",
@@ -200,6 +200,30 @@ def test_a_full_disk_is_one_line(tmp_path):
     assert result.returncode == 2, result.stderr[-3000:]
     line = the_error_line(result.stderr)
     assert re.search(r"cannot write \S+: File too large\. Free disk space", line), line
+
+
+@pytest.mark.slow
+def test_a_new_config_that_cannot_be_written_leaves_the_runs_config_in_place(tmp_path):
+    """A restart with other settings on a full disk: the run's config.gin stays (it was once
+    moved aside before the new one was written) and no temporary file is left."""
+    result = run_python(
+        f"""
+        import json, os, resource, signal
+        from framework import train
+        train.write_run_record({str(tmp_path)!r}, "steps = 10\\n", "first")
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
+        try:
+            train.write_run_record({str(tmp_path)!r}, "steps = 20\\n" * 100, "second")
+        except Exception as error:
+            failed = type(error).__name__
+        print(json.dumps(dict(failed=failed, files=sorted(os.listdir({str(tmp_path)!r})))))
+        """
+    )
+    assert result["failed"], result
+    assert [f for f in result["files"] if ".tmp-" in f] == [], result
+    assert (tmp_path / "config.gin").read_text() == "steps = 10\n"
+    assert (tmp_path / "command").read_text() == "first\n"
 
 
 @pytest.mark.slow
