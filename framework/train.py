@@ -41,6 +41,8 @@ AUTO_POLICY = "auto"
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 # How TensorFlow's file system errors spell those errnos: "<path>; No space left on device".
 DISK_FULL = re.compile(r"([^\s;]*);? (No space left on device|File too large|Disk quota exceeded)")
+UNWRITABLE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
+UNWRITABLE = re.compile(r"([^\s;]*);? (Read-only file system|Permission denied)")
 
 cli.define_config_flags()
 cli.define_budget_flags("Needed with Trainer.remat_policy='auto': the planner picks against it.")
@@ -143,6 +145,24 @@ def out_of_resources(error: Exception, model_dir: str) -> str | None:
         f"cannot write {where or f'to {model_dir}'}: {reason}. Free disk space (or raise the file "
         "size limit, or use another --model_dir) and run the same command again: it resumes from "
         "the newest checkpoint"
+    )
+
+
+def unwritable(error: Exception, model_dir: str) -> str | None:
+    """One line for a write refused mid-run (model_dir or its checkpoints/ made read-only or
+    lost its permissions after the start-up check); None for any other error."""
+    import tensorflow as tf
+
+    found = UNWRITABLE.search(str(error))
+    if isinstance(error, OSError) and error.errno in UNWRITABLE_ERRNOS:
+        where, reason = error.filename, error.strerror
+    elif isinstance(error, tf.errors.OpError) and found:
+        where, reason = found.group(1), found.group(2)
+    else:
+        return None
+    return (
+        f"cannot write {where or f'to {model_dir}'}: {reason}. Make it writable again (or use "
+        "another --model_dir) and run the same command: it resumes from the newest checkpoint"
     )
 
 
@@ -313,7 +333,11 @@ def main(argv: Sequence[str]) -> int:
             logging.info("%s", preempted)
             return preempted.exit_status
         except (OSError, tf.errors.OpError) as error:
-            message = out_of_resources(error, model_dir) or bad_data(error)
+            message = (
+                out_of_resources(error, model_dir)
+                or unwritable(error, model_dir)
+                or bad_data(error)
+            )
             if message is None:
                 raise
             raise UsageError(message) from None

@@ -38,25 +38,45 @@ def model_dir_flag() -> str:
     return model_dir
 
 
+# What a run keeps in model_dir, by kind: found as the other kind, it is no run of ours.
+_RUN_DIRECTORIES = ("checkpoints",)
+_RUN_FILES = ("LOCK", "config.gin", "command")
+
+
 def prepare_model_dir(model_dir: str) -> None:
-    """Creates model_dir and writes and removes a real file in it (each worker of a cluster a
-    file of its own) before anything expensive starts. A bucket out of reach or without the
-    credentials to write is one line that says what to check."""
+    """Creates model_dir and writes and removes a real file in it and in its checkpoints/ (each
+    worker of a cluster a file of its own) before anything expensive starts. A bucket out of
+    reach or without the credentials to write is one line that says what to check, and so is
+    an entry of the run that is not what the run keeps there (a file named checkpoints)."""
     import tensorflow as tf
 
     from framework.core import files
 
-    try:
-        files.check_writable(model_dir)
-    except (OSError, tf.errors.OpError) as error:
-        reason = error.strerror if isinstance(error, OSError) else first_line(error.message)
-        hint = (
-            ""
-            if files.is_local(model_dir)
-            else "; check the network, the bucket's name and that these credentials may write "
-            "to it (`gcloud auth application-default login`, or the VM's service account)"
-        )
-        raise UsageError(f"model_dir {model_dir!r} is not writable: {reason}{hint}") from None
+    for name in (*_RUN_DIRECTORIES, *_RUN_FILES):
+        path = files.join(model_dir, name)
+        if tf.io.gfile.exists(path) and tf.io.gfile.isdir(path) != (name in _RUN_DIRECTORIES):
+            kind = "a file" if name in _RUN_DIRECTORIES else "a directory"
+            raise UsageError(
+                f"{path} is {kind}, which a run never writes there: move it away, or use "
+                "another --model_dir"
+            )
+    directories = {f"model_dir {model_dir!r}": model_dir}
+    checkpoints = files.join(model_dir, "checkpoints")
+    if tf.io.gfile.isdir(checkpoints):  # (it may have lost its write permission, or been mounted)
+        directories[repr(checkpoints)] = checkpoints
+    for what, directory in directories.items():
+        try:
+            files.check_writable(directory)
+        except (OSError, tf.errors.OpError) as error:
+            reason = error.strerror if isinstance(error, OSError) else first_line(error.message)
+            hint = (
+                ""
+                if files.is_local(model_dir)
+                else "; check the network, the bucket's name and that these credentials may "
+                "write to it (`gcloud auth application-default login`, or the VM's service "
+                "account)"
+            )
+            raise UsageError(f"{what} is not writable: {reason}{hint}") from None
 
 
 def memory_budget_flag() -> int | None:

@@ -290,6 +290,45 @@ def test_a_full_disk_and_device_memory_are_told_apart():
     assert message(OSError(errno.EACCES, "Permission denied")) is None
 
 
+def test_a_write_refused_mid_run_is_one_line():
+    def message(error):
+        return train.unwritable(error, "/runs/a")
+
+    read_only = tf.errors.PermissionDeniedError(
+        None, None, "/runs/a/checkpoints/ckpt-15_temp; Read-only file system [Op:SaveV2]"
+    )
+    assert message(read_only).startswith(
+        "cannot write /runs/a/checkpoints/ckpt-15_temp: Read-only file system. Make it writable"
+    )
+    assert message(OSError(errno.EACCES, "Permission denied")).startswith(
+        "cannot write to /runs/a: Permission denied."
+    )
+    assert message(OSError(errno.ENOSPC, "No space left on device")) is None
+
+
+@pytest.mark.parametrize(
+    "entry, make, message",
+    [
+        ("checkpoints", "file", "checkpoints is a file, which a run never writes there"),
+        ("LOCK", "directory", "LOCK is a directory, which a run never writes there"),
+        ("config.gin", "directory", "config.gin is a directory"),
+        ("checkpoints", "unwritable", "checkpoints' is not writable"),
+    ],
+)
+def test_a_model_dir_whose_entries_a_run_cannot_use_stops_at_once(entry, make, message, tmp_path):
+    """Checked before anything is built: found later, the run would have trained (or logged a
+    fresh start) and then failed with a traceback at its first save."""
+    path = tmp_path / entry
+    if make == "file":
+        path.write_text("not a checkpoint")
+    elif make == "directory":
+        path.mkdir()
+    else:  # a directory no one may write, root included
+        path.symlink_to("/proc")
+    with pytest.raises(cli.UsageError, match=re.escape(message)):
+        cli.prepare_model_dir(str(tmp_path))
+
+
 @pytest.mark.parametrize(
     "line, message",
     [
