@@ -52,6 +52,7 @@ def prepare_model_dir(model_dir: str) -> None:
 
     from framework.core import files
 
+    _check_writable(model_dir, f"model_dir {model_dir!r}", model_dir)  # (a bucket out of reach)
     for name in (*_RUN_DIRECTORIES, *_RUN_FILES):
         path = files.join(model_dir, name)
         if tf.io.gfile.exists(path) and tf.io.gfile.isdir(path) != (name in _RUN_DIRECTORIES):
@@ -60,23 +61,27 @@ def prepare_model_dir(model_dir: str) -> None:
                 f"{path} is {kind}, which a run never writes there: move it away, or use "
                 "another --model_dir"
             )
-    directories = {f"model_dir {model_dir!r}": model_dir}
     checkpoints = files.join(model_dir, "checkpoints")
     if tf.io.gfile.isdir(checkpoints):  # (it may have lost its write permission, or been mounted)
-        directories[repr(checkpoints)] = checkpoints
-    for what, directory in directories.items():
-        try:
-            files.check_writable(directory)
-        except (OSError, tf.errors.OpError) as error:
-            reason = error.strerror if isinstance(error, OSError) else first_line(error.message)
-            hint = (
-                ""
-                if files.is_local(model_dir)
-                else "; check the network, the bucket's name and that these credentials may "
-                "write to it (`gcloud auth application-default login`, or the VM's service "
-                "account)"
-            )
-            raise UsageError(f"{what} is not writable: {reason}{hint}") from None
+        _check_writable(checkpoints, repr(checkpoints), model_dir)
+
+
+def _check_writable(directory: str, what: str, model_dir: str) -> None:
+    import tensorflow as tf
+
+    from framework.core import files
+
+    try:
+        files.check_writable(directory)
+    except (OSError, tf.errors.OpError) as error:
+        reason = error.strerror if isinstance(error, OSError) else first_line(error.message)
+        hint = (
+            ""
+            if files.is_local(model_dir)
+            else "; check the network, the bucket's name and that these credentials may write "
+            "to it (`gcloud auth application-default login`, or the VM's service account)"
+        )
+        raise UsageError(f"{what} is not writable: {reason}{hint}") from None
 
 
 def memory_budget_flag() -> int | None:

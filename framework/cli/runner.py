@@ -31,8 +31,11 @@ def first_line(error: BaseException | str) -> str:
 
 
 def exit_with_error(error: BaseException | str, status: int = USAGE_EXIT_CODE) -> NoReturn:
-    """Ends the process with one `error:` line on stderr and `status`."""
+    """Ends the process with one `error:` line on stderr and `status`: the last line, so what
+    logs as the process is torn down (TensorFlow, for the values of a checkpoint it refused to
+    restore into another model) is not printed after it."""
     print(f"error: {first_line(error)}", file=sys.stderr)
+    logging.disable(logging.CRITICAL)
     sys.exit(status)
 
 

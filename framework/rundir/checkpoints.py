@@ -115,7 +115,9 @@ def restore_newest(listing: Listing, restore: Callable[[str], None]) -> str | No
     )
     raise CheckpointError(
         f"{listing.directory} holds a run that cannot be restored ({found}). Nothing was deleted. "
-        "Copy back the missing or damaged files, or move the checkpoints away (or use another "
+        "If this run's settings differ from those that wrote them (another model, size or "
+        "optimizer: config.gin beside them holds the run's), run with those; otherwise copy back "
+        "the missing or damaged files, or move the checkpoints away (or use another "
         "--model_dir) to start a new run."
     )
 

@@ -56,9 +56,10 @@ os.execv(sys.executable, [sys.executable, "-m", "framework.train", *sys.argv[1:]
 
 
 def the_error_line(stderr: str) -> str:
-    """The one `error:` line of a failed run (and that there is no traceback)."""
+    """The one `error:` line of a failed run, its last line (and that there is no traceback)."""
     lines = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.rstrip().splitlines()[-1] == lines[0], stderr[-3000:]
     return lines[0]
 
 
@@ -83,6 +84,14 @@ def test_run_writes_config_command_checkpoints_and_resumes(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "restored step 4" in second.stderr and "step 6/6" in second.stderr
     assert list(tmp_path.glob("config-*.gin")), "the first run's config.gin was not kept"
+    before = checksums(tmp_path / "checkpoints")
+    other_model = run_binary(
+        *TINY_RUN, "--gin.models.VisionTransformer.dim=8", f"--model_dir={tmp_path}"
+    )
+    assert other_model.returncode == 2, other_model.stderr[-3000:]
+    line = the_error_line(other_model.stderr)  # last: not TensorFlow's unplaced values after it
+    assert "cannot be restored" in line and "config.gin beside them" in line, line
+    assert checksums(tmp_path / "checkpoints") == before
 
 
 @pytest.mark.slow
