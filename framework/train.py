@@ -279,10 +279,18 @@ def _build(trainer_class: type, model_dir: str | None, extra_actions=()):
         raise UsageError(f"cannot build the run: {cli.first_line(error)}") from None
 
 
+def _stop_on_a_dropped_ctrl_c(loop, metrics) -> None:
+    """An action: a Ctrl-C that Python dropped during a loop (`cli.raise_if_interrupted`)
+    stops the run after it, as one it delivered would have (the run saves and exits 130)."""
+    cli.raise_if_interrupted()
+
+
 def _build_and_run(trainer_class: type, model_dir: str, watch=None) -> dict[str, float]:
     """Builds the Trainer from the parsed config, records the run, then runs --mode (with the
     `watch` action after the trainer's own, when given)."""
-    run_trainer = _build(trainer_class, model_dir, () if watch is None else (watch,))
+    extra = (_stop_on_a_dropped_ctrl_c,) + (() if watch is None else (watch,))
+    run_trainer = _build(trainer_class, model_dir, extra)
+    cli.raise_if_interrupted()  # (a Ctrl-C that Python dropped while the run was built)
     if run_trainer.run_state is not None and run_trainer.run_state.workers > 1:
         _ctrl_c_preempts()
     # Only now, with the config built: a bad one never replaces an earlier run's record.

@@ -33,7 +33,7 @@ from framework.cli.flags import (
     rewrite_gin_shorthand,
 )
 from framework.cli.gin_config import binding_name, bound_value, parse_gin, parse_run_config
-from framework.cli.runner import first_line, run
+from framework.cli.runner import first_line, raise_if_interrupted, run
 from framework.core.errors import UsageError
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "parse_run_config",
     "policies_flag",
     "prepare_model_dir",
+    "raise_if_interrupted",
     "rewrite_gin_shorthand",
     "run",
     "shard_states_flag",

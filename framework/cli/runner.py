@@ -8,6 +8,7 @@ Ctrl-C that `main` did not handle is status 130, as a shell's interrupted comman
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -21,6 +22,24 @@ from framework.core.errors import UsageError, UserError
 USAGE_EXIT_CODE = 2
 INTERRUPTED_EXIT_CODE = 130  # a shell's status for a command ended by SIGINT (128 + 2)
 FLAGS = flags.FLAGS
+
+
+_interrupts: list[int] = []  # the Ctrl-Cs this process received (`raise_if_interrupted`)
+
+
+def _interrupt(signum: int, frame) -> None:
+    """Python's own Ctrl-C handler that also remembers the signal: a KeyboardInterrupt raised
+    while a garbage-collection callback runs (jax registers one, and TensorFlow's import imports
+    jax) is printed as "Exception ignored" and dropped, and the run would go on."""
+    _interrupts.append(signum)
+    raise KeyboardInterrupt
+
+
+def raise_if_interrupted() -> None:
+    """Raises KeyboardInterrupt if Ctrl-C was pressed: again, where one was dropped (see
+    `_interrupt`), so that the caller stops as it would have."""
+    if _interrupts:
+        raise KeyboardInterrupt
 
 
 def first_line(error: BaseException | str) -> str:
@@ -72,6 +91,8 @@ def run(main: Callable[[list[str]], int | None]) -> NoReturn:
         for flag in FLAGS.get_key_flags_for_module(main.__module__):
             FLAGS.register_key_flag_for_module(sys.argv[0], flag)
         sys.modules["__main__"].__doc__ = sys.modules[main.__module__].__doc__
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (not when ignored)
+        signal.signal(signal.SIGINT, _interrupt)
     try:
         app.run(wrapped, flags_parser=_parse_flags)
     except KeyboardInterrupt:  # during flag parsing or absl's set-up

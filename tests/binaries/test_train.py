@@ -2,6 +2,7 @@
 
 import concurrent.futures
 import errno
+import gc
 import hashlib
 import os
 import re
@@ -266,6 +267,35 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path):
     assert proc.returncode == 130, stderr[-3000:]
     step = re.search(r"interrupted at step (\d+); saved ", the_error_line(stderr)).group(1)
     assert (tmp_path / "checkpoints" / f"ckpt-{step}.index").exists()
+
+
+def test_a_ctrl_c_that_python_dropped_stops_the_run_all_the_same(monkeypatch):
+    """A KeyboardInterrupt raised while a garbage-collection callback runs (jax registers one)
+    is printed as "Exception ignored" and dropped; the run must stop all the same, where it
+    next checks (after it is built, and after each loop)."""
+    monkeypatch.setattr(cli.runner, "_interrupts", [])
+    with pytest.raises(KeyboardInterrupt):  # delivered as usual
+        cli.runner._interrupt(signal.SIGINT, None)
+    cli.runner._interrupts.clear()
+    previous = signal.signal(signal.SIGINT, cli.runner._interrupt)
+    sent = []
+
+    def ctrl_c_during_collection(phase, info):
+        if not sent:
+            sent.append(phase)
+            signal.raise_signal(signal.SIGINT)
+
+    gc.callbacks.append(ctrl_c_during_collection)
+    try:
+        gc.collect()  # the handler raises inside the callback: Python drops it
+    finally:
+        gc.callbacks.remove(ctrl_c_during_collection)
+        signal.signal(signal.SIGINT, previous)
+    assert sent
+    with pytest.raises(KeyboardInterrupt):
+        cli.raise_if_interrupted()
+    with pytest.raises(KeyboardInterrupt):  # the action the binary gives the trainer
+        train._stop_on_a_dropped_ctrl_c(None, {})
 
 
 @pytest.mark.parametrize(
