@@ -256,7 +256,10 @@ def _json_lines_corpus(root, corpus: text.TextCorpus) -> text.TextCorpus:
     )
 
 
-@pytest.mark.parametrize("layout", ["paragraphs", "json_lines"])
+@pytest.mark.parametrize(
+    "layout",
+    ["paragraphs", pytest.param("json_lines", marks=pytest.mark.slow)],  # (40 s)
+)
 def test_resumed_stream_seeks_to_its_saved_position(corpus, layout, tmp_path, caplog):
     """Started from the position its pipeline recorded for step s, a stream makes the batches
     the uninterrupted one makes from s on - within a shuffle block, across blocks, in the next
