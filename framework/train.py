@@ -117,6 +117,19 @@ def bad_data(error: Exception) -> str | None:
     return re.sub(rb"\\([0-7]{3}|.)", unescape, line.encode()).decode("utf-8", "replace")
 
 
+def _failed_write(error: Exception, errnos: tuple[int, ...], pattern: re.Pattern):
+    """(where, reason) of a write that failed with one of `errnos` (an OSError, or TensorFlow's
+    error whose message `pattern` matches: path, then reason); None for any other error."""
+    import tensorflow as tf
+
+    found = pattern.search(str(error))
+    if isinstance(error, OSError) and error.errno in errnos:
+        return error.filename, error.strerror
+    if isinstance(error, tf.errors.OpError) and found:
+        return found.group(1), found.group(2)
+    return None
+
+
 def out_of_resources(error: Exception, model_dir: str) -> str | None:
     """One line for a full disk or a step too large for the device's memory, the two resource
     errors fixed by changing the run rather than the code; None for any other error.
@@ -127,39 +140,31 @@ def out_of_resources(error: Exception, model_dir: str) -> str | None:
     """
     import tensorflow as tf
 
-    found = DISK_FULL.search(str(error))
-    if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
-        where, reason = error.filename, error.strerror
-    elif isinstance(error, tf.errors.OpError) and found:
-        where, reason = found.group(1), found.group(2)
-    elif isinstance(error, tf.errors.ResourceExhaustedError):
+    failed = _failed_write(error, DISK_FULL_ERRNOS, DISK_FULL)
+    if failed is not None:
+        where, reason = failed
+        return (
+            f"cannot write {where or f'to {model_dir}'}: {reason}. Free disk space (or raise the "
+            "file size limit, or use another --model_dir) and run the same command again: it "
+            "resumes from the newest checkpoint"
+        )
+    if isinstance(error, tf.errors.ResourceExhaustedError):
         return (
             f"out of device memory: {cli.first_line(error)[:200]}. Try a remat policy "
             "(--gin.Trainer.remat_policy=\"'nothing_saveable'\") or a smaller "
             "Trainer.global_batch_size; python -m framework.planner --memory_budget=... finds the "
             "fastest setting that fits"
         )
-    else:
-        return None
-    return (
-        f"cannot write {where or f'to {model_dir}'}: {reason}. Free disk space (or raise the file "
-        "size limit, or use another --model_dir) and run the same command again: it resumes from "
-        "the newest checkpoint"
-    )
+    return None
 
 
 def unwritable(error: Exception, model_dir: str) -> str | None:
     """One line for a write refused mid-run (model_dir or its checkpoints/ made read-only or
     lost its permissions after the start-up check); None for any other error."""
-    import tensorflow as tf
-
-    found = UNWRITABLE.search(str(error))
-    if isinstance(error, OSError) and error.errno in UNWRITABLE_ERRNOS:
-        where, reason = error.filename, error.strerror
-    elif isinstance(error, tf.errors.OpError) and found:
-        where, reason = found.group(1), found.group(2)
-    else:
+    failed = _failed_write(error, UNWRITABLE_ERRNOS, UNWRITABLE)
+    if failed is None:
         return None
+    where, reason = failed
     return (
         f"cannot write {where or f'to {model_dir}'}: {reason}. Make it writable again (or use "
         "another --model_dir) and run the same command: it resumes from the newest checkpoint"

@@ -33,13 +33,14 @@ def trace_forward(
         cannot draw again.
     """
     layouts: list[CallStructure] = []
+    pricing = None
     if getattr(region.policy, "select", None) is not None:
-        region.pricing = _pricing_at_static_shapes(region, call, tensors)
+        pricing = _pricing_at_static_shapes(region, call, tensors)
 
     def forward(*inputs):
         with region.recording(dependency(list(inputs))):
             layouts.append(CallStructure(call(list(inputs))))
-        return layouts[-1].tensors() + region.saved()
+        return layouts[-1].tensors() + region.saved(pricing)
 
     function = tf_internals.trace_function(forward, *tensors)
     effects = find_effects(function.graph)

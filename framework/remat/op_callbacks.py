@@ -96,18 +96,18 @@ def tagging(name: str) -> contextlib.AbstractContextManager:
 
 def _dispatch(op_type, inputs, attrs, outputs, op_name=None, graph=None):
     stack = _stack()
-    if not stack or graph is None or op_type in _IGNORED_OPS:
-        if op_type == "Const" and stack and attrs:
-            for region in reversed(stack):
-                if graph is region.graph:
-                    region.constant(dict(zip(attrs[::2], attrs[1::2])).get("value"))
+    if not stack or graph is None:
+        return None
+    owner = next((region for region in reversed(stack) if graph is region.graph), None)
+    if op_type == "Const" and owner is not None and attrs:
+        owner.constant(dict(zip(attrs[::2], attrs[1::2])).get("value"))
+    if op_type in _IGNORED_OPS:
         return None
     op = graph.get_operation_by_name(op_name)
     if outputs is None:  # a callback registered before ours returned nothing
         outputs = op.outputs
-    for region in reversed(stack):
-        if graph is region.graph:
-            return region.top_level_op(op, attrs, outputs)
+    if owner is not None:
+        return owner.top_level_op(op, attrs, outputs)
     if stack[-1].owns(graph) and is_random_op(op_type):
         tie_seeds(op, stack[-1].dep)
     return None

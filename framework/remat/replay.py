@@ -158,9 +158,6 @@ class Region:
         self._constants: list = []  # the values of the pass's top-level constants, in order
         self._replayed_constants: list = []
         self._holder = None  # the Keras layer the forward pass ran in
-        # The candidates' ops at static shapes, for a policy that prices values by their shapes
-        # when the pass leaves some unknown (`backward.trace_forward`).
-        self.pricing: list[OpInfo] | None = None
 
     @contextlib.contextmanager
     def _active(self, built: Pass, dep: tf.Tensor) -> Iterator[None]:
@@ -181,15 +178,17 @@ class Region:
         self._random_values, self._producers = RandomValues(), {}
         return self._active(Pass.RECORD, dep)
 
-    def saved(self) -> list[tf.Tensor]:
+    def saved(self, pricing: list[OpInfo] | None = None) -> list[tf.Tensor]:
         """The values the policy keeps, in op order (call inside the forward function, once
-        its pass is recorded: a policy deciding per region, as `MemoryBudget`, decides here)."""
+        its pass is recorded: a policy deciding per region, as `MemoryBudget`, decides here).
+        `pricing`: the candidates' ops at static shapes, for such a policy when the pass left
+        some unknown (`backward.trace_forward`)."""
         select = getattr(self.policy, "select", None)
         if select is not None:
             candidates = [e for e in self.entries if e.candidate is not None]
             infos = [e.info for e in candidates]
-            if self.pricing is not None:
-                infos = _priced(infos, self.pricing)
+            if pricing is not None:
+                infos = _priced(infos, pricing)
             chosen = select(infos, [e.read for e in candidates])
             name = policy_name(self.policy)
             for position, flops_per_byte in chosen.items():
