@@ -187,8 +187,10 @@ def test_scan_second_order_and_an_eager_closure_match_a_python_loop(mode, policy
     closed = tf.random.stateless_normal((2, 2), seed=[3, 7])
     h0 = tf.random.stateless_normal((2, 2), seed=[4, 7])
     sources = [h0, xs, bias, closed]
+    rebuilt = []  # the step's Python body run while the first gradient is taken
 
     def body(h, slices, consts):
+        rebuilt.extend(during_gradient)
         return tf.tanh(h @ slices[0] + h @ closed + consts[0]), []
 
     def python_loop(h, xs, bias):
@@ -203,16 +205,20 @@ def test_scan_second_order_and_an_eager_closure_match_a_python_loop(mode, policy
                 with tf.GradientTape() as inner:
                     inner.watch(sources)
                     loss = tf.reduce_sum(loop(h0, xs, bias) ** 2)
+                during_gradient.append(1)
                 first = inner.gradient(loss, sources)
+                during_gradient.clear()
                 total = tf.add_n([tf.reduce_sum(g**2) for g in first])
             return first + outer.gradient(total, sources)
 
         return run() if mode == "eager" else tf.function(run, jit_compile=mode == "xla")()
 
+    during_gradient = []
     want = second_order(python_loop)
     got = second_order(lambda h, xs, bias: remat.scan(body, h, [xs], [bias], policy=policy)[0])
     for g, w, name in zip(got, want, ["h0", "xs", "bias", "closed"] * 2):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=name)
+    assert rebuilt, "the loop's gradient did not rebuild the step: no remat"
 
 
 def test_scan_refuses_a_step_that_reads_a_variable():
