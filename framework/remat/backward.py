@@ -33,9 +33,7 @@ def trace_forward(
         cannot draw again.
     """
     layouts: list[CallStructure] = []
-    pricing = None
-    if getattr(region.policy, "select", None) is not None:
-        pricing = _pricing_at_static_shapes(region, call, tensors)
+    pricing = pricing_at_static_shapes(region, call, tensors)
 
     def forward(*inputs):
         with region.recording(dependency(list(inputs))):
@@ -53,14 +51,16 @@ def trace_forward(
 STAND_IN_SIZE = 8
 
 
-def _pricing_at_static_shapes(
-    region: Region, call: Callable[[list[tf.Tensor]], object], tensors: list[tf.Tensor]
+def pricing_at_static_shapes(
+    region: Region,
+    call: Callable[[list[tf.Tensor]], object],
+    tensors: list[tf.Tensor | tf.TensorSpec],
 ) -> list | None:
     """What a policy that prices values by their shapes (a memory budget) should see of the
     region's ops, when the call leaves dimensions unknown: the ops of a second trace, for
-    pricing only, with each unknown dimension of the inputs `STAND_IN_SIZE`. None when every
-    shape is known, a rank is not, or the code cannot run at those sizes (the pricing then
-    counts an unknown dimension as 1).
+    pricing only, with each unknown dimension of the inputs `STAND_IN_SIZE`. None when the
+    policy prices nothing, every shape is known, a rank is not, or the code cannot run at those
+    sizes (the pricing then counts an unknown dimension as 1).
 
     Keras' `fit` traces its step with the batch dimension unknown. Counting that dimension as
     any one size would not do: a dense layer flattens its input to `[batch x sequence, width]`,
@@ -68,6 +68,8 @@ def _pricing_at_static_shapes(
     width]`, and the budget would weigh the two wrongly against each other.
     """
     shapes = [t.shape for t in tensors]
+    if getattr(region.policy, "select", None) is None:
+        return None
     if all(s.is_fully_defined() for s in shapes) or any(s.rank is None for s in shapes):
         return None
     specs = [

@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from framework.core import tf_internals
 from framework.core.errors import RematError
+from framework.remat.backward import pricing_at_static_shapes
 from framework.remat.checkpoint import remat_is_on
 from framework.remat.dependencies import dependency, differentiable, tied_input
 from framework.remat.policies import Policy, get_policy
@@ -83,14 +84,19 @@ def scan(
     region = Region(policy, label, keep_random_keys=False)
     call_state = tf_internals.keras_call_state()
     n_x, n_y = len(xs), []
+    specs = _step_specs(carry, xs, consts)
+    # Keras' `fit` leaves the batch unknown: a budget prices the step at static shapes.
+    pricing = pricing_at_static_shapes(
+        region, lambda args: step(args[0], args[1 : 1 + n_x], args[1 + n_x :]), specs
+    )
 
     def forward(h, *args):
         with region.recording(dependency([h])):
             new_h, ys = step(h, list(args[:n_x]), list(args[n_x:]))
         n_y.append(len(ys))
-        return [new_h, *ys, *region.saved()]
+        return [new_h, *ys, *region.saved(pricing)]
 
-    forward_fn = tf_internals.trace_function(forward, *_step_specs(carry, xs, consts))
+    forward_fn = tf_internals.trace_function(forward, *specs)
     _check_captures(forward_fn, label)
     # Eager tensors the step closes over: differentiated as consts, read by the step's own code.
     closures = [c for c in forward_fn.captured_inputs if differentiable(c)]

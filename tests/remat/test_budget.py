@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 from framework import remat
+from framework.models import scan
 from framework.remat import backward, policies
 from tests.remat.test_remat import TOL, Block, make_stack, rel_err, reset_seeds, stack_step
 
@@ -205,6 +206,33 @@ def test_the_budget_picks_the_same_values_when_fit_leaves_the_batch_unknown():
     assert len(picks[stand_in]) == 2 and picks[stand_in][0] and len(picks[None]) >= 2, picks
     assert all(p == picks[stand_in][0] for p in picks[stand_in] + picks[None]), picks
     remat.set_grad_checkpointing(model, enable=False)
+
+
+def _encoder(name: str) -> keras.layers.Layer:
+    return keras_hub.layers.TransformerEncoder(32, num_heads=2, dropout=0.1, name=name)
+
+
+def test_a_scanned_stack_prices_an_unknown_batch_as_a_known_one():
+    """The same in a scanned stack: `fit` traces its loop step with the batch unknown, and the
+    budget must keep what it keeps in a trace at the stand-in batch size."""
+    stand_in = backward.STAND_IN_SIZE
+    x = tf.random.normal((4, 8, 16), seed=5)
+    picks = {}
+    for batch in (stand_in, None):
+        policy = _Picks(0.3)
+        object.__setattr__(policy, "picks", [])
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((8, 16)), scan.ScannedBlocks(_encoder, 2, policy)])
+        model.compile(optimizer="sgd", loss="mse")
+        if batch is None:
+            model.fit(tf.data.Dataset.from_tensor_slices((x, x)).batch(2), epochs=1, verbose=0)
+        else:
+            with tf.GradientTape() as tape:
+                x8 = tf.random.normal((stand_in, 8, 16), seed=6)
+                tape.gradient(tf.reduce_sum(model(x8, training=True) ** 2), model.variables)
+        picks[batch] = policy.picks
+    assert picks[stand_in] and picks[stand_in][0] and picks[None], picks
+    assert all(p == picks[stand_in][0] for p in picks[stand_in] + picks[None]), picks
 
 
 def test_a_region_that_cannot_run_at_the_pricing_sizes_is_priced_as_traced():
