@@ -168,8 +168,11 @@ class Checkpointed:
         """One call of the region in graph mode: traced forward function, gradient attached.
         `state` is the Keras call state the region is called in."""
         region = Region(self.policy, self.label)
-        function, layout, effects = trace_forward(region, call, tensors)
         graph = tf.compat.v1.get_default_graph()
+        # Arguments from an enclosing graph (a branch's or loop body's caller), captured here:
+        # the region's gradient then reaches them through the control flow's own captures.
+        tensors = [in_graph(t, graph) if isinstance(t, tf.Tensor) else t for t in tensors]
+        function, layout, effects = trace_forward(region, call, tensors)
         # Captured eager tensors (closures, variable handles) as this graph sees them.
         closures = [in_graph(c, graph) for c in function.captured_inputs if differentiable(c)]
         with tf_internals.stop_recording():

@@ -483,16 +483,22 @@ def test_tf_function_first_traced_inside_a_region(mode):
 def test_region_in_a_loop_body_or_a_branch_closing_over_tensors_and_a_variable(mode, where, order):
     """The recomputation runs in TensorFlow's gradient loop body or gradient branch, which take
     only captures of graph tensors they know: what the region closes over (a variable, a graph
-    tensor and, to first order, an eager tensor) reaches it through the enclosing graph."""
+    tensor and, to first order, an eager tensor) reaches it through the enclosing graph, and so
+    does an argument from outside the body or branch."""
     w = tf.Variable(rand(4, 4, seed=4))
-    # An eager tensor in every mode; under a second tape it fails in TensorFlow's own gradient
-    # code (docs/remat.md), so the second order closes over variables and graph tensors only.
-    bias = rand(4, seed=5) if order == 1 else 0.0
+    eager = rand(4, seed=5)
     drop = keras.layers.Dropout(0.3, seed=6)
 
-    def make(wrap):
+    def block(h, c, bias):
+        return tf.tanh(drop(tf.linalg.matvec(w, h) + c + bias, training=True))
+
+    def make(wrap, closed, bias):
         def loss(xs, c):
-            layer = wrap(lambda h: tf.tanh(drop(tf.linalg.matvec(w, h) + c + bias, training=True)))
+            if closed:
+                layer = wrap(lambda h: block(h, c, bias))
+            else:
+                region = wrap(block)
+                layer = lambda h: region(h, c, bias)  # noqa: E731
             taken = tf.reduce_sum(c) > -1e9
             if where == "scan":
                 out = tf.scan(lambda acc, row: layer(acc + row), xs, tf.ones([4]))
@@ -508,11 +514,11 @@ def test_region_in_a_loop_body_or_a_branch_closing_over_tensors_and_a_variable(m
 
         return loss
 
-    def gradients(wrap, xs, c):
+    def gradients(wrap, xs, c, closed, bias):
         def first(xs, c):
             with tf.GradientTape() as tape:
                 tape.watch([xs, c])
-                value = make(wrap)(xs, c)
+                value = make(wrap, closed, bias)(xs, c)
             return tape.gradient(value, [xs, c, w])
 
         def run(xs, c):
@@ -527,14 +533,19 @@ def test_region_in_a_loop_body_or_a_branch_closing_over_tensors_and_a_variable(m
         return compiled(run, mode)(xs, c)
 
     xs, c = rand(3, 4), rand(4)
+    # The region closes over an eager tensor too; under a second tape that fails in TensorFlow's
+    # own gradient code (docs/remat.md), so the second order closes over a variable and a graph
+    # tensor only.
+    closed, bias = True, eager if order == 1 else 0.0
     if order == 2 and where in ("cond", "switch_case") and mode != "eager":
-        # Fails in TensorFlow's own gradient code (an assertion of cond_v2), as docs/remat.md
-        # says: a fix must update both.
-        gradients(plain, xs, c)
+        # In a branch, closing over the graph tensor fails there too (an assertion of cond_v2),
+        # as docs/remat.md says: a fix must update both. Passed as arguments, the graph tensor
+        # and the eager one work (and a variable, closed over).
+        gradients(plain, xs, c, closed, bias)
         with pytest.raises(AssertionError):
-            gradients(remat.checkpoint, xs, c)
-        return
-    assert_recomputed_and_equal(lambda wrap: gradients(wrap, xs, c), tol=1e-4)
+            gradients(remat.checkpoint, xs, c, closed, bias)
+        closed, bias = False, eager
+    assert_recomputed_and_equal(lambda wrap: gradients(wrap, xs, c, closed, bias), tol=1e-4)
 
 
 # 7. Keras' call context: what an outer layer call hands down reaches the recomputation.
