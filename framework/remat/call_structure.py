@@ -3,7 +3,8 @@ carry a Keras mask, and the key under which an eager call's traced function is r
 
 A region runs as a function of tensors alone; everything else (Python values, the nesting, Keras
 masks, which ride on tensors as attributes that a function's inputs and outputs do not carry) is
-taken apart here and put back around the call.
+taken apart here and put back around the call - and a mask the call takes off an input is taken
+off the caller's tensor too.
 """
 
 from __future__ import annotations
@@ -55,6 +56,18 @@ class CallStructure:
         return tf.nest.pack_sequence_as(
             self.structure, flat, expand_composites=self.expand_composites
         )
+
+    def masks_cleared(self, tensors: list[tf.Tensor]) -> list[int]:
+        """Which of `tensors` (as `pack` was given them) carried a mask when packed and carry
+        none now: a call may take the masks off its inputs (Keras' `MultiHeadAttention` does,
+        so that the layers after it see none)."""
+        return [k for k in self.masked if keras_mask(tensors[k]) is None]
+
+    def clear_masks(self, cleared: list[int]) -> None:
+        """Takes the masks off this structure's own tensors that a call on stand-ins for them
+        (a traced function's inputs) took off the stand-ins (`masks_cleared`)."""
+        for k in cleared:
+            tf_internals.set_keras_mask(self.flat[self.positions[k]], None)
 
     def eager_key(self, state: tf_internals.KerasCallState) -> tuple | None:
         """A hashable key for an eager call with these arguments: their structure, tensor shapes

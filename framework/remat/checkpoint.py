@@ -108,12 +108,20 @@ class Checkpointed:
         # recomputation runs in it again, whether or not the code passes `training` on.
         state = tf_internals.keras_call_state()
 
+        # The inputs whose masks the call took off: it runs on a traced function's inputs, so
+        # the caller's tensors lose them after it.
+        cleared: set[int] = set()
+
         def call(tensors):
             a, kw = arguments.pack(tensors)
-            return fn(*a, **kw)
+            results = fn(*a, **kw)
+            cleared.update(arguments.masks_cleared(tensors))
+            return results
 
         if self._layers is None:
-            return self._run(call, arguments, state, None)
+            results = self._run(call, arguments, state, None, cleared)
+            arguments.clear_masks(sorted(cleared))
+            return results
         # The layers it runs: its own, and any passed to it (a shared layer).
         layers = self._layers() + [x for x in arguments.flat if isinstance(x, keras.layers.Layer)]
         # Losses the layers add (add_loss, activity regularizers) are results of the region:
@@ -123,7 +131,10 @@ class Checkpointed:
         held = sum(map(len, losses))
         stateless = tf_internals.keras_stateless_losses()
         held_statelessly = len(stateless or ())
-        results, added = self._run(_collecting_losses(call, losses), arguments, state, layers)
+        results, added = self._run(
+            _collecting_losses(call, losses), arguments, state, layers, cleared
+        )
+        arguments.clear_masks(sorted(cleared))
         for held_list, new in zip(losses, added, strict=True):
             held_list.extend(new)
         if len(stateless or ()) != held_statelessly:
@@ -140,8 +151,16 @@ class Checkpointed:
             )
         return results
 
-    def _run(self, call: Callable, arguments: CallStructure, state, layers: list | None):
-        """The call's results, from the path for this mode (graph, eager untraced or traced)."""
+    def _run(
+        self,
+        call: Callable,
+        arguments: CallStructure,
+        state,
+        layers: list | None,
+        cleared: set[int],
+    ):
+        """The call's results, from the path for this mode (graph, eager untraced or traced).
+        A reused eager trace adds to `cleared` the masks its traced call took off."""
         tensors = arguments.tensors()
         if not tf_internals.executing_eagerly():
             return self._region(call, tensors, state)
@@ -156,12 +175,13 @@ class Checkpointed:
         key = arguments.eager_key(state)
         if key is not None:  # each replica of a strategy captures its own variables
             key = (key, tf_internals.current_device())
-        region = self._eager.get(key)
+        region, masks_cleared = self._eager.get(key, (None, ()))
         if region is None:
             region = EagerRegion(self.policy, self.label, call, tensors, state)
             # Tensors the region closes over were captured by value: trace again next time.
             if key is not None and not region.captures_values:
-                self._eager[key] = region
+                self._eager[key] = (region, frozenset(cleared))
+        cleared.update(masks_cleared)
         return region(tensors)
 
     def _region(self, call: Callable, tensors: list[tf.Tensor], state):
