@@ -98,6 +98,12 @@ def _is_block(layer: keras.Layer) -> bool:
     return bool(layer.weights) and (bool(_children(layer)) or own_class)
 
 
+def _containers(chosen: list[keras.Layer]) -> bool:
+    """Whether every chosen layer is a `Sequential` or functional model: a container whose
+    repeats say nothing of where a model's blocks are."""
+    return all(tf_internals.is_functional(layer) for layer in chosen)
+
+
 def _select(model: keras.Layer, layers: LayerSelector) -> list[keras.Layer]:
     if layers is None:
         return repeated_blocks(model) + _top_most(model, loops_over_steps)
@@ -245,7 +251,11 @@ def _install(
     chosen = _select(model, layers)
     if layers is None and tf_internals.is_functional(model):
         graph, found = _most_segments(model)
-        if not chosen or len(found) > 2 * len(chosen):  # blocks wired in the graph
+        # Blocks wired in the graph; or, where the repeated "blocks" are only Keras' containers
+        # (ConvNeXt's stem and downsampling `Sequential`s around blocks that are no layers),
+        # whenever the graph has more places to cut.
+        fewer = len(found) > (len(chosen) if _containers(chosen) else 2 * len(chosen))
+        if not chosen or fewer:
             return _install_segments(model, resolved, found, asked=False, graph=graph)
     if not chosen and layers is None:
         raise ValueError(

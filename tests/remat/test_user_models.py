@@ -315,6 +315,24 @@ def test_a_backbone_under_a_new_head_gets_the_segments(mode):
     assert regions == segments.installed(backbone) and len(regions) >= 5
 
 
+def test_repeated_containers_around_blocks_wired_in_the_graph_give_way_to_segments():
+    """keras.applications' ConvNeXt builds its stem and downsampling layers as `Sequential`s and
+    its blocks in the functional graph. With few blocks, the four `Sequential`s were taken for
+    the repeated blocks: regions that kept more than no remat (1.83 times, at depths 1-1-2-1)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16, 16, 3))
+    h = inputs
+    for stage, width in enumerate([8, 16, 32]):
+        first = [keras.layers.Conv2D(width, 2, strides=2), keras.layers.LayerNormalization()]
+        h = keras.Sequential(first if stage == 0 else first[::-1], name=f"down{stage}")(h)
+        for _ in range(2):
+            inner = keras.layers.Conv2D(width * 2, 1, activation="gelu")(h)
+            h = keras.layers.Add()([h, keras.layers.Conv2D(width, 1)(inner)])
+    model = keras.Model(inputs, keras.layers.GlobalAveragePooling2D()(h))
+    regions = _check(model, tf.random.stateless_normal((2, 16, 16, 3), [5, 6]), "graph")
+    assert all(isinstance(r, segments.Segment) for r in regions) and len(regions) >= 4, regions
+
+
 def test_other_callers_of_a_segmented_graph_get_keras_own_runner():
     model = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8) for _ in range(8)])
     assert len(remat.set_grad_checkpointing(model)) >= 2
