@@ -310,7 +310,8 @@ def _install_segments(
             f"Model {model.name!r}'s layer graph has no place where one tensor carries "
             "everything the rest needs (every path from its input to its output crosses each "
             f"segment), so a segment would hold the whole graph and save nothing; found "
-            f"{len(found)} segment(s). Pass layers= (blocks of your own) instead."
+            f"{len(found)} segment(s). Pass layers= naming its blocks if it has block layers; "
+            "if not (NASNet's cells each read two earlier tensors), train it without remat."
         )
         if asked:
             raise ValueError(message)
