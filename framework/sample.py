@@ -25,6 +25,7 @@ flags.DEFINE_string("prompt", "", "Text to continue; empty starts a new document
 flags.DEFINE_float(
     "temperature", 0.8, "Sampling temperature; 0 picks the likeliest token.", lower_bound=0.0
 )
+flags.register_validator("temperature", lambda t: t == t, "--temperature must be a number")
 flags.DEFINE_integer(
     "max_tokens", 64, "Tokens to generate (fewer if [EOS] comes first).", lower_bound=1
 )
@@ -35,7 +36,7 @@ FLAGS = flags.FLAGS
 
 
 class SampleError(UserError):
-    """The run has no vocabulary to sample with."""
+    """The run is not a decoder LM, or has no vocabulary that fits its model."""
 
 
 def load_run(model_dir: str):
@@ -47,8 +48,15 @@ def load_run(model_dir: str):
     from framework.data import text
     from framework.data.text import tfds_text
     from framework.data.text import vocab as vocab_lib
+    from framework.models.language import DecoderLM
 
     model = trained_model.load(model_dir).model
+    if not isinstance(model, DecoderLM):
+        raise SampleError(
+            f"the run in {model_dir} trained a {type(model).__name__}, not a decoder language "
+            "model (DecoderLM, as lm_quickstart.gin trains): framework.sample cannot continue "
+            "text with it"
+        )
     vocab_path = os.path.join(model_dir, "vocab.txt")
     for source in (text.TextCorpus, tfds_text.TfdsText):  # the run's config holds the one it used
         try:
@@ -58,7 +66,14 @@ def load_run(model_dir: str):
             continue
     if not tf.io.gfile.exists(vocab_path):
         raise SampleError(f"the run's vocabulary {vocab_path} is missing")
-    return model, vocab_lib.load_vocab(vocab_path)
+    vocab = vocab_lib.load_vocab(vocab_path)
+    if len(vocab) > model.vocab_size:
+        raise SampleError(
+            f"the vocabulary {vocab_path} has {len(vocab)} tokens, more than the model's "
+            f"{model.vocab_size}: it is not the run's (a relative vocab_path is read from the "
+            "current directory; run from the directory the run was trained in)"
+        )
+    return model, vocab
 
 
 def generate(
@@ -94,7 +109,9 @@ def generate(
     for _ in range(max_tokens):
         window = context[-length:]
         tokens = tf.constant([window + [ids[vocab_lib.PAD]] * (length - len(window))], tf.int32)
-        logits = next_logits(tokens, tf.constant(len(window) - 1))
+        # The model's vocabulary may be larger than the learned one (lm_quickstart.gin's 1024
+        # against the tokens the corpus gave): ids past it have no text.
+        logits = next_logits(tokens, tf.constant(len(window) - 1))[: len(vocab)]
         if temperature > 0:
             seed_pair = rng.make_seeds(1)[:, 0]
             token = int(tf.random.stateless_categorical([logits / temperature], 1, seed_pair)[0, 0])
@@ -111,6 +128,10 @@ def main(argv: Sequence[str]) -> int:
         raise UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     if not FLAGS.model_dir:
         raise UsageError("--model_dir is required")
+    try:
+        FLAGS.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError("--prompt is not valid UTF-8 text: pass the prompt as UTF-8") from None
     try:
         model, vocab = load_run(FLAGS.model_dir)
     except ValueError as error:

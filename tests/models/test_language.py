@@ -228,6 +228,36 @@ def test_sample_loads_the_run_it_is_given(run_dir):
 
 
 @pytest.mark.slow
+def test_sample_draws_only_tokens_of_the_vocabulary(run_dir):
+    """The model's 64 ids against a vocabulary of 13 (lm_quickstart's 1024 against what its
+    corpus gives): an id past the vocabulary crashed tensorflow-text's detokenizer (a
+    segmentation fault). Nearly uniform draws, as a barely trained model makes."""
+    try:
+        model, vocab_list = sample.load_run(str(run_dir))
+    finally:
+        gin.clear_config()
+    words = sample.generate(model, vocab_list, "", max_tokens=12, temperature=1e3, seed=1)
+    assert words and set(words.replace(" ", "")) <= set("abcdefgh"), words
+
+
+@pytest.mark.slow
+def test_sample_refuses_runs_it_cannot_continue_text_with(run_dir, tmp_path):
+    prompt = sample_binary(f"--model_dir={run_dir}", "--prompt=\udcff bad")
+    assert "--prompt is not valid UTF-8" in error_line(prompt)
+    words = [*vocab.RESERVED_TOKENS, *(f"w{i}" for i in range(60))]
+    vocab.save_vocab(words, str(run_dir / "vocab.txt"))
+    too_large = f"has {len(words)} tokens, more than the model's 64"
+    assert too_large in error_line(sample_binary(f"--model_dir={run_dir}"))
+    bert = language.BertEncoder(**TINY)
+    bert(_rows(np.ones((1, 16)), np.ones((1, 16))))
+    tf.train.Checkpoint(model=bert).save(str(tmp_path / "bert" / "checkpoints" / "ckpt"))
+    config = (run_dir / "config.gin").read_text().replace("DecoderLM", "BertEncoder")
+    (tmp_path / "bert" / "config.gin").write_text(config)
+    not_a_decoder = error_line(sample_binary(f"--model_dir={tmp_path / 'bert'}"))
+    assert "trained a BertEncoder, not a decoder" in not_a_decoder
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flag, message",
     [("--max_tokens=-3", "-3 is not a positive integer"), ("--temperature=-1", "non-negative")],
