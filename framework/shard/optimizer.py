@@ -22,7 +22,6 @@ ELEMENTWISE = (
     keras.optimizers.RMSprop,
     keras.optimizers.Adagrad,
     keras.optimizers.Adamax,
-    keras.optimizers.Nadam,
     keras.optimizers.Lion,
 )
 
@@ -34,8 +33,9 @@ def check_shardable(optimizer: keras.optimizers.Optimizer) -> None:
         supported = ", ".join(cls.__name__ for cls in ELEMENTWISE)
         raise ValueError(
             f"sharded training state needs an elementwise optimizer ({supported}); {name}'s "
-            "update reads whole weights (factored moments, per-weight norms or RMS). Use "
-            "Trainer.shard_state = 'none' with it, or AdamW"
+            "update reads whole weights or keeps state not shaped like them (factored moments, "
+            "per-weight norms or RMS, Nadam's scalar). Use Trainer.shard_state = 'none' with "
+            "it, or AdamW"
         )
     for clip in ("clipnorm", "global_clipnorm", "clipvalue"):
         if getattr(optimizer, clip, None) is not None:

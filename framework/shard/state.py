@@ -80,6 +80,14 @@ class ShardedState:
         self.model = model
         self.optimizer = optimizer
         self.replicas = replicas or strategy.num_replicas_in_sync
+        constrained = [v.path for v in model.trainable_variables if v.constraint is not None]
+        if constrained:
+            raise ValueError(
+                f"weights with a constraint ({', '.join(constrained[:3])}) cannot be sharded: "
+                "the optimizer updates parts of them, and a constraint such as MaxNorm or "
+                "UnitNorm needs the whole weight. Use Trainer.shard_state = 'none', or drop "
+                "the constraint"
+            )
         self.weights = ShardedVariables(strategy, model.trainable_variables, self.replicas)
         slot_layouts = build_on_shards(optimizer, self.weights)
         self._slot_layouts = slot_layouts

@@ -12,6 +12,7 @@ function of the same shape.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import keras
@@ -67,7 +68,23 @@ def scheduled_optimizer(
     scope."""
     scale = tf.Variable(1.0, trainable=False, name="lr_scale")
     schedule = ScaledSchedule(warmup_cosine(learning_rate, warmup_steps, total_steps), scale)
-    return optimizer_fn(schedule, weight_decay), scale
+    return for_reduced_gradients(optimizer_fn(schedule, weight_decay)), scale
+
+
+def for_reduced_gradients(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+    """`optimizer`, made to take gradients already summed over replicas: one of Keras' own
+    classes (`keras.optimizers.Lion`, `RMSprop`, ...) that an `optimizer_fn` returns becomes the
+    same class with `GradientsAlreadyReduced` mixed in (before it is built, so nothing of its
+    state changes). Left as it was, it would sum the trainer's summed gradients again: N times
+    too large on N replicas, and on shards a sum of different replicas' parts."""
+    if not isinstance(optimizer, tf_internals.GradientsAlreadyReduced):
+        optimizer.__class__ = _reduced_class(type(optimizer))
+    return optimizer
+
+
+@functools.cache
+def _reduced_class(cls: type) -> type:
+    return type(f"ReducedGradient{cls.__name__}", (tf_internals.GradientsAlreadyReduced, cls), {})
 
 
 def warmup_cosine(

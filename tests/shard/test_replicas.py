@@ -125,3 +125,32 @@ def test_four_replicas_train_as_the_unsharded_run_and_their_checkpoints_restore_
 def test_eight_replicas_gather_their_weights_as_the_unsharded_run(tmp_path):
     result = levels(8, {"vit": ["weights"]}, tmp_path, full_step=False)
     assert result["vit/weights"] < 1e-5, result
+
+
+KERAS_OPTIMIZER_SCRIPT = (
+    COMMON
+    + """
+    import keras
+    from framework.trainer import optim
+    distribute.split_cpu(2)
+    RUNTIME = Runtime("mirrored", cpu_devices=2)
+    result = {{}}
+    for level in ("none", "weights"):
+        states = []
+        for make in (lambda rate, _: optim.sgd(rate, momentum=0.5),
+                     lambda rate, _: keras.optimizers.SGD(rate, momentum=0.5)):
+            run = trainer("vit", shard_state=level, optimizer_fn=make, clip_norm=None)
+            run.train()
+            states.append(state(run))
+        result[level] = difference(*states)
+    print(json.dumps(result))
+"""
+)
+
+
+def test_a_keras_optimizer_trains_as_the_trainers_own_on_two_replicas():
+    """`keras.optimizers.SGD` as `optimizer_fn`, against `optim.sgd`: Keras' own classes would sum
+    the trainer's summed gradients again (twice as large on 2 replicas; sharded, the sum of
+    different replicas' parts)."""
+    result = run_python(KERAS_OPTIMIZER_SCRIPT.format(), timeout=600)
+    assert result == {"none": 0.0, "weights": 0.0}, result

@@ -128,6 +128,20 @@ def test_an_optimizer_that_reads_whole_weights_cannot_be_sharded():
         run(shard_state="optimizer", optimizer_fn=optim.adafactor)
 
 
+def test_weights_with_a_constraint_cannot_be_sharded():
+    """The constraint would be applied to each part apart (it was dropped, silently)."""
+
+    def model():
+        keras.utils.set_random_seed(0)
+        model = tiny.vit_with_dropout()["model_fn"]()
+        model(tf.zeros([1, 8, 8, 3]))
+        model.trainable_variables[-2].constraint = keras.constraints.NonNeg()
+        return model
+
+    with pytest.raises(ValueError, match="with a constraint .* cannot be sharded"):
+        run(shard_state="optimizer", model_fn=model)
+
+
 def test_an_unknown_level_lists_the_levels():
     with pytest.raises(ValueError, match="'none', 'optimizer', 'gradients', 'weights'"):
         run(shard_state="zero3")

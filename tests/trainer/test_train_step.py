@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 from framework import remat
+from framework.core import tf_internals
 from framework.models import transformer, vit
 from framework.trainer import Trainer, losses, optim, settings, train_step
 from tests import tiny
@@ -191,3 +192,14 @@ def test_a_trainer_without_model_dir_writes_nothing(tmp_path, monkeypatch):
     assert trainer.step == 5 and trainer.run_state is None
     assert trainer.save() is None
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("make", [keras.optimizers.Lion, keras.optimizers.RMSprop])
+def test_a_keras_optimizer_takes_the_gradients_the_trainer_summed_as_they_are(make):
+    """An `optimizer_fn` may return one of Keras' own optimizers. Under a strategy Keras sums
+    its gradients over the replicas, which the trainer has done already: on N replicas the
+    update was N times too large, sharded it added up different replicas' parts."""
+    trainer = Trainer(None, **{**tiny.TRAINER_ARGS, "optimizer_fn": lambda rate, _: make(rate)})
+    assert isinstance(trainer.optimizer, make)
+    assert isinstance(trainer.optimizer, tf_internals.GradientsAlreadyReduced)
+    # Two replicas, against the trainer's own optimizer: tests/shard/test_replicas.py.
