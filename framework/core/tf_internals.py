@@ -309,7 +309,8 @@ def keras_reads_redirected(value_of: Callable):
     (a tensor of the variable's shape): the layers compute with it, and gradients flow to it.
     Other variables read and assign as usual (dropout seeds advance); assigning a redirected
     variable raises. Keras' `StatelessScope` redirects reads, but keeps every assignment to
-    itself; this one passes the others through."""
+    itself; this one passes the others through. The losses the layers add (activity
+    regularizers, `add_loss`) are collected, so that `model.losses` holds them."""
     import keras
     from keras.src.backend.common import global_state
 
@@ -317,13 +318,20 @@ def keras_reads_redirected(value_of: Callable):
 
     class Redirected(keras.StatelessScope):
         def __init__(self):
-            super().__init__(initialize_variables=False)
+            super().__init__(collect_losses=True, initialize_variables=False)
 
         def get_current_value(self, variable):
             value = value_of(variable)
-            if value is None and outer is not None:
+            if value is not None:
+                return value
+            if outer is not None:
                 return outer.get_current_value(variable)
-            return value
+            # Its own value: Keras' weight regularizers ask the scope and take None for a value.
+            global_state.set_global_attribute("stateless_scope", None)
+            try:
+                return variable.value
+            finally:
+                global_state.set_global_attribute("stateless_scope", scope)
 
         def add_update(self, update):
             variable, value = update

@@ -19,6 +19,7 @@ where the backward pass makes it, inside the program.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -46,10 +47,11 @@ class WeightReads:
 
     sources: list
     value_of: Callable[[keras.Variable], tf.Tensor | None]
+    redirects: bool = True
 
     @classmethod
     def unchanged(cls, model: keras.Model) -> WeightReads:
-        return cls(list(model.trainable_variables), lambda variable: None)
+        return cls(list(model.trainable_variables), lambda variable: None, redirects=False)
 
 
 class ShardedState:
@@ -284,5 +286,8 @@ def _replicated_read(
 
 
 def reads_redirected(reads: WeightReads):
-    """The block in which the model computes with `reads.value_of` (see `WeightReads`)."""
+    """The block in which the model computes with `reads.value_of` (see `WeightReads`): none
+    where nothing is redirected, so that the layers keep the losses they add as without it."""
+    if not reads.redirects:
+        return contextlib.nullcontext()
     return tf_internals.keras_reads_redirected(reads.value_of)

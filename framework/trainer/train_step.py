@@ -54,16 +54,18 @@ def batch_sums(
     """Weighted sums of the loss, of correct predictions and of the weights over one batch.
 
     Labels may have any rank (one per image, or one per token), as class ids or class
-    probabilities (`losses.label_classes`); a weight of 0 leaves a label out (padding).
+    probabilities (`losses.label_classes`); a weight of 0 leaves a label out (padding). In
+    training, the losses the model adds (weight and activity regularizers, `add_loss`) count
+    once per unit of weight: the step divides the summed loss by the batch's weight, so they
+    add to the mean loss as in Keras' `fit`.
     """
     inputs, labels, weights = unpack(batch)
     losses, predictions = _losses_and_predictions(model, inputs, labels, loss_fn, training)
     hits = tf.equal(predictions, tf.cast(label_classes(labels), predictions.dtype))
-    return (
-        tf.reduce_sum(losses * weights),
-        tf.reduce_sum(tf.cast(hits, tf.float32) * weights),
-        tf.reduce_sum(weights),
-    )
+    loss, weight = tf.reduce_sum(losses * weights), tf.reduce_sum(weights)
+    if training and model.losses:
+        loss += tf.add_n([tf.cast(x, tf.float32) for x in model.losses]) * weight
+    return loss, tf.reduce_sum(tf.cast(hits, tf.float32) * weights), weight
 
 
 def _losses_and_predictions(model: keras.Model, inputs, labels, loss_fn: LossFn, training: bool):

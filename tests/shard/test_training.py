@@ -128,6 +128,25 @@ def test_an_optimizer_that_reads_whole_weights_cannot_be_sharded():
         run(shard_state="optimizer", optimizer_fn=optim.adafactor)
 
 
+def test_a_weight_regularizer_reaches_the_shards(unsharded):
+    """The regularizer reads the weight the model computes with: gathered from the shards."""
+
+    def model():
+        keras.utils.set_random_seed(0)
+        model = tiny.vit_with_dropout()["model_fn"]()
+        model(tf.zeros([1, 8, 8, 3]))
+        model.trainable_variables[-2].regularizer = keras.regularizers.L2(0.5)
+        return model
+
+    states = []
+    for level in ("none", "weights"):
+        trainer = run(clip_norm=None, shard_state=level, model_fn=model, **FULL_STEP)
+        trainer.train()
+        states.append(state(trainer))
+    assert largest_difference(states[0], unsharded) > 1e-3  # the regularizer acts
+    assert largest_difference(states[1], states[0]) < 1e-6
+
+
 def test_weights_with_a_constraint_cannot_be_sharded():
     """The constraint would be applied to each part apart (it was dropped, silently)."""
 

@@ -203,3 +203,28 @@ def test_a_keras_optimizer_takes_the_gradients_the_trainer_summed_as_they_are(ma
     assert isinstance(trainer.optimizer, make)
     assert isinstance(trainer.optimizer, tf_internals.GradientsAlreadyReduced)
     # Two replicas, against the trainer's own optimizer: tests/shard/test_replicas.py.
+
+
+def test_the_losses_a_model_adds_count_as_in_keras_fit():
+    """Weight and activity regularizers (and `add_loss`) add to the mean loss; they were left
+    out of the trainer's step."""
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, "tanh", kernel_regularizer=keras.regularizers.L2(0.3)),
+            keras.layers.Dense(4, activity_regularizer=keras.regularizers.L1(0.1)),
+        ]
+    )
+    rng = np.random.default_rng()
+    x = tf.constant(rng.normal(size=(5, 6)), tf.float32)
+    labels = tf.constant(rng.integers(0, 4, size=5), tf.int32)
+    (loss, _, weight), grads = train_step.compiled_gradients(model)((x, labels))
+    with tf.GradientTape() as tape:
+        logits = model(x, training=True)
+        want_loss = tf.reduce_mean(losses.cross_entropy(logits, labels)) + sum(model.losses)
+    want = tape.gradient(want_loss, model.trainable_variables)
+    assert len(model.losses) == 2
+    np.testing.assert_allclose(loss / weight, want_loss, rtol=1e-5)
+    for g, w in zip(grads, want, strict=True):
+        np.testing.assert_allclose(g / weight, w, rtol=1e-4, atol=1e-6)
