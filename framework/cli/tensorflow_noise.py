@@ -8,6 +8,7 @@ them all.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
@@ -56,19 +57,34 @@ FLAGS = flags.FLAGS
 
 def filter_stderr(noise: Sequence[str]) -> None:
     """From now on, lines of this process' stderr (Python's and C++'s alike) that contain one of
-    `noise` are dropped; the others pass unchanged."""
+    `noise` are dropped; the others pass unchanged. At exit the filter is given the last lines
+    and waited for, so that they are out before the process' status is (a shell prompt would
+    come first, or a file the caller reads next would still lack its `error:` line)."""
     sys.stderr.flush()
     read_end, write_end = os.pipe()
     console = os.dup(2)
-    subprocess.Popen(
+    process = subprocess.Popen(
         [sys.executable, "-c", _STDERR_FILTER, "|".join(map(re.escape, noise))],
         stdin=read_end,
         stdout=console,
         close_fds=True,
     )
     os.dup2(write_end, 2)
-    for fd in (read_end, write_end, console):
+    for fd in (read_end, write_end):
         os.close(fd)
+    atexit.register(_drain, process, console)
+
+
+def _drain(process: subprocess.Popen, console: int) -> None:
+    """Writes what follows straight to the console, so that the filter reads the end of its
+    pipe, and waits for it to pass on the lines before (a moment: a child process that
+    inherited the pipe would hold it open)."""
+    sys.stderr.flush()
+    os.dup2(console, 2)
+    try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def quiet_tensorflow() -> None:
