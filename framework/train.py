@@ -117,6 +117,23 @@ def bad_data(error: Exception) -> str | None:
     return re.sub(rb"\\([0-7]{3}|.)", unescape, line.encode()).decode("utf-8", "replace")
 
 
+def unreadable_data(error: Exception) -> str | None:
+    """What tf.data could not read or decode (a file that is no TFRecord, an image that does not
+    decode), without TensorFlow's function and node names; None for any other error."""
+    import tensorflow as tf
+
+    text = str(error)
+    readable = (tf.errors.DataLossError, tf.errors.InvalidArgumentError)
+    if not isinstance(error, readable) or "IteratorGetNext" not in text:
+        return None
+    lines = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", text).splitlines()
+    # A graph's error names the failed node on the line after the reason: "\t [[{{node ...}}]]".
+    nodes = [i for i, line in enumerate(lines) if line.lstrip().startswith("[[")]
+    reason = lines[nodes[0] - 1] if nodes and nodes[0] > 0 else lines[0]
+    reason = reason.split(" [Op:")[0].strip().rstrip(".")
+    return f"the data cannot be read ({reason}): check the files the config's data set reads"
+
+
 def _failed_write(error: Exception, errnos: tuple[int, ...], pattern: re.Pattern):
     """(where, reason) of a write that failed with one of `errnos` (an OSError, or TensorFlow's
     error whose message `pattern` matches: path, then reason); None for any other error."""
@@ -171,6 +188,18 @@ def unwritable(error: Exception, model_dir: str) -> str | None:
     )
 
 
+# The flags of the plan that `remat_policy = 'auto'` makes (`cli.define_budget_flags`).
+PLANNER_FLAGS = (
+    "memory_budget",
+    "safety_margin",
+    "policies",
+    "measure",
+    "search_budget",
+    "shard_states",
+    "compile_processes",
+)
+
+
 def resolve_auto_policy(
     settings_class: type, files: Sequence[str], bindings: Sequence[str], model_dir: str
 ):
@@ -189,10 +218,12 @@ def resolve_auto_policy(
     budget = cli.memory_budget_flag()
     policy = cli.bound_value(name)
     if not (isinstance(policy, str) and policy.strip().lower() == AUTO_POLICY):
-        if budget is not None:
+        given = [f"--{flag}" for flag in PLANNER_FLAGS if FLAGS[flag].present]
+        if given:
+            verb = "is" if len(given) == 1 else "are"
             raise UsageError(
-                f"--memory_budget is only used with {name} = 'auto'; drop it or set "
-                f"--gin.{name}=\"'auto'\""
+                f"{', '.join(given)} {verb} only used with {name} = 'auto'; drop "
+                f"{'it' if len(given) == 1 else 'them'} or set --gin.{name}=\"'auto'\""
             )
         return None
     from framework import memory, planner
@@ -350,6 +381,7 @@ def main(argv: Sequence[str]) -> int:
                 out_of_resources(error, model_dir)
                 or unwritable(error, model_dir)
                 or bad_data(error)
+                or unreadable_data(error)
             )
             if message is None:
                 raise

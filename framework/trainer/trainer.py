@@ -143,8 +143,10 @@ class Trainer:
             logging.info("init_checkpoint not used: resuming from the run's own checkpoint")
         self.actions = (*actions_lib.built_in(model_dir, s), *s.actions, *extra_actions)
         # Built now, so a bad data configuration fails before training (and before the summary
-        # writers make directories in model_dir) and gin records it.
+        # writers make directories in model_dir) and gin records it; the training split too,
+        # which `train` builds again from the step it starts at.
         self._eval_dataset = self._dataset("eval")
+        self._dataset("train")
         self.summaries = Summaries(model_dir if self.is_chief else None)
 
     def _weights_placement(self):

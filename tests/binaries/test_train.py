@@ -18,6 +18,7 @@ import tensorflow as tf
 from framework import cli, train
 from framework.data import text
 from framework.trainer import settings, trainer
+from tests.data.images.test_sources import write_tfrecords
 from tests.subprocesses import REPO_DIR, child_env, command, run_binary, run_python
 
 TINY_RUN = [
@@ -170,6 +171,37 @@ def test_bad_input_is_one_line_and_leaves_the_model_dir_alone(args, message, tmp
 def test_a_bad_config_stops_before_anything_is_written(args, message, tmp_path):
     """In this process (the one-line report of a UsageError is the subprocess tests' part)."""
     (tmp_path / "empty.gin").write_text("")
+    _refused_in_process(args, message, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "records, message",
+    [
+        ("not_tfrecords", "the data cannot be read (corrupted record at 0"),
+        ("other_keys", "have no bytes feature 'image/encoded' (data.tfrecord.image_key)"),
+    ],
+)
+def test_bad_training_records_stop_before_anything_is_written(records, message, tmp_path):
+    """The training split's data is checked as the evaluation split's is, when the run is
+    built; what tf.data cannot read is one line too (both were tracebacks)."""
+    good = write_tfrecords(tmp_path / "good", count=8, files=1)
+    bad = tmp_path / "bad"
+    if records == "not_tfrecords":
+        bad.mkdir()
+        (bad / "part-00").write_text("not a record")
+    else:
+        write_tfrecords(bad, count=8, files=1, image_key="img")
+    args = [
+        "--gin.Trainer.dataset_fn=@data.tfrecord",
+        f"--gin.data.tfrecord.train_files='{bad}/part-*'",
+        f"--gin.data.tfrecord.eval_files='{good}'",
+        "--gin.data.tfrecord.image_size=8",
+    ]
+    _refused_in_process(args, message, tmp_path)
+
+
+def _refused_in_process(args: list[str], message: str, tmp_path) -> None:
+    """`framework.train` with `args` raises a UsageError with `message` and leaves no run."""
     model_dir = (
         [] if any(a.startswith("--model_dir") for a in args) else [f"--model_dir={tmp_path}/run"]
     )

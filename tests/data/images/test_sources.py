@@ -35,15 +35,17 @@ def _pixels(index: int) -> np.ndarray:
     return np.random.default_rng(index).integers(0, 256, (12, 12, 3), dtype=np.uint8)
 
 
-def write_tfrecords(directory, count: int, files: int, start: int = 0) -> str:
-    """`count` examples over `files` files in the ImageNet layout (labels from 1), each with
-    its index under 'index'; returns the glob."""
+def write_tfrecords(
+    directory, count: int, files: int, start: int = 0, image_key: str = "image/encoded"
+) -> str:
+    """`count` examples over `files` files in the ImageNet layout (labels from 1; the image
+    under `image_key`), each with its index under 'index'; returns the glob."""
     directory.mkdir(parents=True)
     writers = [tf.io.TFRecordWriter(str(directory / f"part-{i:02d}")) for i in range(files)]
     for i in range(count):
         index = start + i
         feature = {
-            "image/encoded": tf.train.Feature(
+            image_key: tf.train.Feature(
                 bytes_list=tf.train.BytesList(value=[tf.io.encode_png(_pixels(index)).numpy()])
             ),
             "image/class/label": tf.train.Feature(
