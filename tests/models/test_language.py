@@ -260,7 +260,11 @@ def test_sample_refuses_runs_it_cannot_continue_text_with(run_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "flag, message",
-    [("--max_tokens=-3", "-3 is not a positive integer"), ("--temperature=-1", "non-negative")],
+    [
+        ("--max_tokens=-3", "-3 is not a positive integer"),
+        ("--temperature=-1", "non-negative"),
+        ("--gin.Trainer.train_steps=3", "--gin.Trainer.train_steps=3: this command takes no gin"),
+    ],
 )
 def test_sample_flags_out_of_range_are_one_line(flag, message, tmp_path):
     assert message in error_line(sample_binary(f"--model_dir={tmp_path}", flag))

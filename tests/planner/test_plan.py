@@ -375,6 +375,11 @@ def test_the_pick_is_the_highest_throughput_that_fits_ties_going_to_less_recompu
             "--target: a plan for p100 is compiled, not run",
         ),
         ("framework.train", ["--gin.Trainer.remat_policy='auto'"], "needs --memory_budget"),
+        (  # without 'auto' no plan is made: the run would ignore them
+            "framework.train",
+            ["--memory_budget=1GiB", "--policies=none"],
+            "--memory_budget, --policies are only used with Trainer.remat_policy = 'auto'",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_line(module, args, message, tmp_path):

@@ -165,9 +165,11 @@ def image_folder(
     if split == "eval":
         files, labels, eval_classes = folder_examples(eval_directory)
         if eval_classes != classes:
+            only_eval = sorted(set(eval_classes) - set(classes))[:5]
+            only_train = sorted(set(classes) - set(eval_classes))[:5]
             raise ValueError(
-                f"the eval folder's classes {eval_classes[:5]} differ from the train folder's "
-                f"{classes[:5]}: both need the same sub-directories"
+                f"the eval folder's classes differ from the train folder's (only in eval: "
+                f"{only_eval}; only in train: {only_train}): both need the same sub-directories"
             )
     files_t, labels_t = tf.constant(files), tf.constant(labels, tf.int32)
 

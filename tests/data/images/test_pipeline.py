@@ -104,7 +104,9 @@ def test_bad_arguments_are_clear_errors(folders, tmp_path, kwargs, message):
 
 def test_eval_classes_must_match(folders, tmp_path):
     other = write_folder(tmp_path / "other", per_class=1, classes=2)
-    with pytest.raises(ValueError, match="eval folder's classes"):
+    (tmp_path / "other" / "class_9").mkdir()  # the error names only the differing classes
+    missing = r"only in eval: \['class_9'\]; only in train: \['class_2'\]"
+    with pytest.raises(ValueError, match="eval folder's classes differ .*" + missing):
         pipeline.image_folder(
             "eval", global_batch_size=2, train_directory=folders[0], eval_directory=other
         )
