@@ -479,6 +479,19 @@ def attention_computation(layer) -> Callable:
     return layer._compute_attention
 
 
+def calls_attention_computation(layer) -> bool:
+    """Whether the layer's `call` runs `attention_computation(layer)`: `MultiHeadAttention`'s own
+    does, as do subclasses that call it or `super().call`; keras-hub's XLNet attention computes
+    its own in its `call`, and a replaced one would never run."""
+    import keras
+
+    owner = next(cls for cls in type(layer).__mro__ if "call" in vars(cls))
+    if owner is keras.layers.MultiHeadAttention:
+        return True
+    names = vars(owner)["call"].__code__.co_names
+    return "_compute_attention" in names or "super" in names
+
+
 def set_attention_computation(layer, compute: Callable) -> None:
     """Replaces `attention_computation(layer)` on this layer (an instance attribute)."""
     layer._compute_attention = compute

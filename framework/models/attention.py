@@ -377,7 +377,8 @@ def use_blockwise_attention(
     dropout would have drawn.
 
     Raises:
-      ValueError: `model` holds no `keras.layers.MultiHeadAttention`.
+      ValueError: `model` holds no `keras.layers.MultiHeadAttention`, or one that computes its
+        attention in its own `call`.
     """
     layers = [
         layer
@@ -388,6 +389,15 @@ def use_blockwise_attention(
         raise ValueError(
             f"{model.name} holds no keras.layers.MultiHeadAttention: nothing to make blockwise "
             "(give your own attention layer blockwise_attention instead)"
+        )
+    own = sorted(
+        {type(x).__name__ for x in layers if not tf_internals.calls_attention_computation(x)}
+    )
+    if own:
+        raise ValueError(
+            f"{', '.join(own)} in {model.name} derive from keras.layers.MultiHeadAttention but "
+            "compute their attention in their own call, which this would not change: give "
+            "that computation blockwise_attention instead"
         )
     for layer in layers:
         tf_internals.set_attention_computation(

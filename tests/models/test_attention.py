@@ -10,6 +10,7 @@ about as close to it as plain is.
 from __future__ import annotations
 
 import keras
+import keras_hub
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -406,6 +407,16 @@ def test_keras_hub_models_attend_blockwise_in_one_line(name, monkeypatch):
     assert _error(*zip(*[(np.float64(g), np.float64(w)) for g, w in pairs])) < 1e-5
     with pytest.raises(ValueError, match="holds no keras.layers.MultiHeadAttention"):
         attention.use_blockwise_attention(keras.Sequential([keras.layers.Dense(2)]))
+
+
+def test_attention_layers_that_compute_their_own_attention_are_refused():
+    """keras-hub's XLNet attention derives from MultiHeadAttention but never runs its attention
+    computation: replacing it changed nothing, silently."""
+    xlnet = keras_hub.models.XLNetBackbone(
+        vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32
+    )
+    with pytest.raises(ValueError, match="TwoStreamRelativeAttention in .* compute their"):
+        attention.use_blockwise_attention(xlnet)
 
 
 @pytest.mark.slow
