@@ -188,7 +188,14 @@ def main(argv: Sequence[str]) -> int:
     for name in ("model_dir", "export_dir"):
         if not FLAGS[name].value:
             raise UsageError(f"--{name} is required")
-    record = export_run(FLAGS.model_dir, FLAGS.export_dir, FLAGS.checkpoint)
+    import tensorflow as tf
+
+    try:
+        record = export_run(FLAGS.model_dir, FLAGS.export_dir, FLAGS.checkpoint)
+    except (OSError, tf.errors.OpError) as error:
+        raise UsageError(
+            f"cannot write the export to {FLAGS.export_dir}: {cli.first_line(error)}"
+        ) from None
     logging.info(
         "exported step %d (%s) to %s", record["step"], record["checkpoint"], FLAGS.export_dir
     )

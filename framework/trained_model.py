@@ -63,7 +63,14 @@ def read_config(model_dir: str) -> str:
 
 def build_model() -> keras.Model:
     """`Trainer.model_fn` of the bound config, called with float32 as Keras' dtype policy."""
-    model_fn = gin.query_parameter(cli.binding_name(settings.TrainerSettings, "model_fn"))
+    name = cli.binding_name(settings.TrainerSettings, "model_fn")
+    try:
+        model_fn = gin.query_parameter(name)
+    except ValueError:
+        raise UsageError(
+            f"the run's config.gin binds no {name}: it is not the one training wrote; copy "
+            "that back, or write the bindings the run trained with"
+        ) from None
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy("float32")
     try:

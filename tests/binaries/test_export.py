@@ -319,6 +319,8 @@ BAD_INPUT = {
     "damaged step": r"cannot restore .*/ckpt-2: .*Checksum does not match.*Choose another",
     "another model": r"cannot be restored \(.*ckpt-2: it lacks weights of the model config.gin",
     "export_dir taken": r"export_dir '.*' already exists and is not an empty directory",
+    "export_dir under a file": r"cannot write the export to .*/a_file/export: .*not a directory",
+    "config without a model": r"config.gin binds no Trainer.model_fn: it is not the one",
 }
 
 
@@ -341,6 +343,11 @@ def test_bad_input_is_one_error_and_changes_nothing(case, saved_model, tmp_path)
     elif case == "another model":  # a config edited after training: a weight lacks a value
         config = saved_run / "config.gin"
         config.write_text(config.read_text().replace("depth = 2", "depth = 3"))
+    elif case == "export_dir under a file":
+        (tmp_path / "a_file").write_text("the user's")
+        export_dir = tmp_path / "a_file" / "export"
+    elif case == "config without a model":
+        (saved_run / "config.gin").write_text("")
     else:
         export_dir.mkdir()
         (export_dir / "saved_model.pb").write_text("the user's")
