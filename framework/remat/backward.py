@@ -15,7 +15,13 @@ import tensorflow as tf
 
 from framework.core import tf_internals
 from framework.remat.call_structure import CallStructure
-from framework.remat.dependencies import dependency, differentiable, in_graph, tied_input
+from framework.remat.dependencies import (
+    dependency,
+    differentiable,
+    in_graph,
+    tied_input,
+    with_dep,
+)
 from framework.remat.effects import Effects, find_effects, stateful_random_error
 from framework.remat.replay import Region
 from framework.remat.state_order import assign_variable, read_variable
@@ -134,12 +140,16 @@ def recompute_gradients(
     # function calls that captured it directly).
     outer = [tf_internals.outermost(c) for c in forward.closures]
     closures = [o if not tf.is_symbolic_tensor(o) else in_graph(o, graph) for o in outer]
+    built_before = len(graph.get_operations())
     with tf.GradientTape() as tape:
         sources = [t for t in inputs if differentiable(t)]
         sources += closures + variables
         tape.watch(sources)
         with region.replaying(dep, handles):
             results = CallStructure(forward.call(inputs))
+    reads = [
+        op.outputs[0] for op in graph.get_operations()[built_before:] if op.type == "ReadVariableOp"
+    ]
     tf_internals.pass_eager_captures_through_control_flow(graph)
     targets, upstream = [], []
     for t, g in zip(results.tensors() + region.replayed_kept(), list(dy) + list(kept_dy)):
@@ -156,12 +166,28 @@ def recompute_gradients(
     )
     flat = [next(grads) if differentiable(t) else None for t in inputs]
     flat += list(grads)
+    # An optimizer may update a variable as soon as its gradient exists, while the recomputation
+    # reads it again for the other gradients; graph mode orders the two by control edges alone,
+    # which Grappler may drop (Keras' steps_per_execution loop: the update ran first, 1 time in 3).
+    # A data edge from every read of the recomputation keeps them first.
+    tie = dependency(reads, every=True)
+    n_tied = len(flat) - len(variables)
+    flat = flat[:n_tied] + [None if g is None else _tied(g, tie) for g in flat[n_tied:]]
     with tf_internals.stop_recording():
         finals = [assign_variable(graph, h, c) for h, c in zip(handles, current)]
     if finals:
         with tf.control_dependencies(finals):
             flat = [None if g is None else _identity(g) for g in flat]
     return flat
+
+
+def _tied(gradient, dep: tf.Tensor):
+    """`gradient` (a tensor or IndexedSlices), not computable before `dep` exists."""
+
+    def tie(t):
+        return with_dep(t, dep) if t.dtype.is_floating else t
+
+    return tf.nest.map_structure(tie, gradient, expand_composites=True)
 
 
 def _identity(gradient):

@@ -174,7 +174,7 @@ class Checkpointed:
             return eager_rerun.call(self.label, call, tensors, state, layers)
         key = arguments.eager_key(state)
         if key is not None:  # each replica of a strategy captures its own variables
-            key = (key, tf_internals.current_device())
+            key = (key, tf_internals.current_device(), _trainable_flags(layers))
         region, masks_cleared = self._eager.get(key, (None, ()))
         if region is None:
             region = EagerRegion(self.policy, self.label, call, tensors, state)
@@ -233,6 +233,13 @@ class Checkpointed:
 
         results.extend(attach(*tensors, *closures))
         return layout.pack(results)
+
+
+def _trainable_flags(layers: list | None) -> tuple[bool, ...]:
+    """Which of the layers (and those inside them) are trainable: freezing one (BatchNorm, to
+    fine-tune) changes what the region computes, so a trace made before cannot be reused."""
+    inside = [x for layer in layers or () for x in tf_internals.flatten_layers(layer, True)]
+    return tuple(layer.trainable for layer in [*(layers or ()), *inside])
 
 
 def _collecting_losses(call: Callable, losses: list[list]) -> Callable:

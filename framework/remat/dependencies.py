@@ -18,13 +18,13 @@ def differentiable(t: Any) -> bool:
     return t is not None and (t.dtype.is_floating or t.dtype.is_complex)
 
 
-def dependency(tensors: list) -> tf.Tensor:
+def dependency(tensors: list, every: bool = False) -> tf.Tensor:
     """A float32 zero that cannot be computed before `tensors` exist (NaN-safe, reads 1 element
-    of each of the first two floating-point tensors)."""
+    of each of the first two floating-point tensors, or of `every` one)."""
     zero = tf.constant(0.0)
     used = 0
     for t in tensors:
-        if differentiable(t) and used < 2:
+        if differentiable(t) and (every or used < 2):
             elem = tf.reduce_max(tf.math.real(tf.reshape(t, [-1])[:1]))
             elem_bool = tf.cast(elem, tf.bool)
             zero = zero + tf.where(tf.equal(elem_bool, elem_bool), 0.0, float("nan"))

@@ -693,7 +693,66 @@ def test_a_region_that_clears_its_inputs_masks_clears_the_callers(mode, policy):
         assert_close(_model_grads(model, mode, x), want)
 
 
+class NormalizedBlock(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8)
+        self.norm = keras.layers.BatchNormalization()
+
+    def call(self, x, training=None):
+        return x + self.norm(self.dense(x), training=training)
+
+
+def test_an_eager_trace_is_made_again_after_a_layer_is_frozen():
+    """Fine-tuning freezes BatchNorm between two eager runs (`fit(run_eagerly=True)`): a region
+    traced before would go on updating its statistics, in training mode."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), NormalizedBlock(), NormalizedBlock()])
+    assert len(remat.set_grad_checkpointing(model, policy="dots_saveable")) == 2
+    x = rand(2, 8)
+    _model_grads(model, "eager", x)
+    norms = [layer.norm for layer in model.layers]
+    for norm in norms:
+        norm.trainable = False
+    before = [norm.moving_mean.numpy() for norm in norms]
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(x, training=True))
+    tape.gradient(loss, model.trainable_variables)
+    for norm, mean in zip(norms, before):
+        np.testing.assert_array_equal(norm.moving_mean.numpy(), mean)
+
+
 # 8. Smaller semantic cases.
+
+
+@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable"])
+def test_a_variables_gradient_waits_for_the_recomputations_reads_of_it(policy):
+    """Keras' `fit` with `steps_per_execution` > 1 (without XLA) updated a weight before the
+    recomputation had read it for the other gradients, about one run in three: graph mode orders
+    the two by control edges only, which Grappler dropped there. A variable's gradient now
+    depends on the recomputation's reads by data, even where its value does not (`x @ w`)."""
+    w = tf.Variable(rand(4, 4))
+    region = remat.checkpoint(lambda x: x @ w, policy)
+    built_by_forward = []
+
+    @tf.function
+    def gradient(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(region(x) ** 2)
+        built_by_forward.append(len(tf.compat.v1.get_default_graph().get_operations()))
+        return tape.gradient(loss, w)
+
+    graph = gradient.get_concrete_function(tf.TensorSpec([2, 4])).graph
+    recomputed = graph.get_operations()[built_by_forward[0] :]
+    reads = [op for op in recomputed if op.type == "ReadVariableOp"]
+    assert reads  # the recomputation reads w again
+    ancestors, frontier = set(), [graph.outputs[0].op]
+    while frontier:
+        op = frontier.pop()
+        if op not in ancestors:
+            ancestors.add(op)
+            frontier += [t.op for t in op.inputs]
+    assert any(read in ancestors for read in reads)
 
 
 @pytest.mark.parametrize("mode", MODES)
