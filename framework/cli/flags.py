@@ -138,9 +138,9 @@ def rewrite_gin_shorthand(argv: Sequence[str]) -> list[str]:
     """`--gin.NAME=VALUE` as `--gin_bindings=NAME = VALUE` (t5x's shorthand)."""
     rewritten = []
     for arg in argv:
-        if arg.startswith(GIN_SHORTHAND) and "gin_bindings" not in FLAGS:
-            raise UsageError(f"{arg}: this command takes no gin bindings")
         if arg.startswith(GIN_SHORTHAND):
+            if "gin_bindings" not in FLAGS:
+                raise UsageError(f"{arg}: this command takes no gin bindings")
             name, sep, value = arg[len(GIN_SHORTHAND) :].partition("=")
             if not sep or not name:
                 raise UsageError(f"{arg!r} should look like --gin.NAME=VALUE")

@@ -254,8 +254,8 @@ def _install(
         # Blocks wired in the graph; or, where the repeated "blocks" are only Keras' containers
         # (ConvNeXt's stem and downsampling `Sequential`s around blocks that are no layers),
         # whenever the graph has more places to cut.
-        fewer = len(found) > (len(chosen) if _containers(chosen) else 2 * len(chosen))
-        if not chosen or fewer:
+        cuts_win = len(found) > (len(chosen) if _containers(chosen) else 2 * len(chosen))
+        if not chosen or cuts_win:
             return _install_segments(model, resolved, found, asked=False, graph=graph)
     if not chosen and layers is None:
         raise ValueError(

@@ -63,8 +63,9 @@ def batch_sums(
     losses, predictions = _losses_and_predictions(model, inputs, labels, loss_fn, training)
     hits = tf.equal(predictions, tf.cast(label_classes(labels), predictions.dtype))
     loss, weight = tf.reduce_sum(losses * weights), tf.reduce_sum(weights)
-    if training and model.losses:
-        loss += tf.add_n([tf.cast(x, tf.float32) for x in model.losses]) * weight
+    added = model.losses if training else []  # (each read computes the regularizers again)
+    if added:
+        loss += tf.add_n([tf.cast(x, tf.float32) for x in added]) * weight
     return loss, tf.reduce_sum(tf.cast(hits, tf.float32) * weights), weight
 
 

@@ -694,12 +694,15 @@ def test_a_region_that_clears_its_inputs_masks_clears_the_callers(mode, policy):
 
 
 class NormalizedBlock(keras.layers.Layer):
+    calls = 0
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.dense = keras.layers.Dense(8)
         self.norm = keras.layers.BatchNormalization()
 
     def call(self, x, training=None):
+        NormalizedBlock.calls += 1
         return x + self.norm(self.dense(x), training=training)
 
 
@@ -715,9 +718,11 @@ def test_an_eager_trace_is_made_again_after_a_layer_is_frozen():
     for norm in norms:
         norm.trainable = False
     before = [norm.moving_mean.numpy() for norm in norms]
+    NormalizedBlock.calls = 0
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(model(x, training=True))
     tape.gradient(loss, model.trainable_variables)
+    assert NormalizedBlock.calls >= 4, NormalizedBlock.calls  # traced again, and recomputed
     for norm, mean in zip(norms, before):
         np.testing.assert_array_equal(norm.moving_mean.numpy(), mean)
 
