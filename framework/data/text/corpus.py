@@ -16,6 +16,7 @@ from framework.data.text import vocab as vocab_lib
 from framework.data.text.documents import (
     DOCUMENT_UNITS,
     file_reader,
+    first_not_utf8,
     in_split,
     not_blank,
     read_documents,
@@ -115,9 +116,18 @@ class TextCorpus:
 
     def vocab(self) -> list[str]:
         """The vocabulary at `vocab_path`, learned from `sample()` if missing."""
-        return vocab_lib.build_or_load_vocab(
-            self.vocab_path, self.sample, self.vocab_size, self.vocab_words
-        )
+        try:
+            return vocab_lib.build_or_load_vocab(
+                self.vocab_path, self.sample, self.vocab_size, self.vocab_words
+            )
+        except vocab_lib.NotUtf8Error as error:
+            found = first_not_utf8(text_files(self.files, self.json_field))
+            if found is None:
+                raise
+            raise vocab_lib.NotUtf8Error(
+                f"TextCorpus.files: {found[0]} is not UTF-8 text (byte {found[1]} on): convert "
+                "it to UTF-8 (e.g. iconv -f latin1 -t utf-8) or drop it"
+            ) from error
 
     def vocabulary(self) -> Vocabulary:
         return Vocabulary.of(self.vocab())

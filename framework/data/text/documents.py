@@ -4,6 +4,7 @@ hash of each document's text."""
 
 from __future__ import annotations
 
+import codecs
 import functools
 import os
 from collections.abc import Callable, Sequence
@@ -75,6 +76,25 @@ def text_files(files: str | Sequence[str], json_field: str | None) -> list[str]:
     if json_field is not None:
         json_lines.check_against_json(paths, json_field)
     return paths
+
+
+def first_not_utf8(paths: Sequence[str], chunk_bytes: int = 2**20) -> tuple[str, int] | None:
+    """(path, byte offset) of the first bytes of `paths` that are not UTF-8, or None; read in
+    chunks and stopped at the first bad byte, for an error that names the file to convert."""
+    for path in paths:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        offset = 0
+        with tf.io.gfile.GFile(path, "rb") as file:
+            while True:
+                chunk = file.read(chunk_bytes)
+                try:
+                    decoder.decode(chunk, final=not chunk)
+                except UnicodeDecodeError as error:
+                    return path, offset + error.start
+                if not chunk:
+                    break
+                offset += len(chunk)
+    return None
 
 
 def _paragraphs(text: tf.Tensor) -> tf.data.Dataset:

@@ -38,6 +38,11 @@ MAX_WORDS = 50_000
 ALIASES = {BOS: "[CLS]", EOS: "[SEP]"}
 
 
+class NotUtf8Error(ValueError):
+    """The sample holds words that are not UTF-8, which the learner cannot count (tokenizing
+    them would give [UNK]): the corpus is in another encoding."""
+
+
 def learn_vocab(
     documents: tf.data.Dataset, vocab_size: int, max_words: int | None = MAX_WORDS
 ) -> list[str]:
@@ -53,6 +58,8 @@ def learn_vocab(
         counts = learner.count_words(words)
     except StopIteration:  # count_words peeks at the first word: there is none
         counts = {}
+    except UnicodeDecodeError as error:
+        raise NotUtf8Error(f"the corpus is not UTF-8 text ({error.reason})") from None
     if not counts:
         raise ValueError("the corpus is empty: no words to learn a vocabulary from")
     vocab = learner.learn(

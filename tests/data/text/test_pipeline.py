@@ -221,6 +221,17 @@ def test_empty_corpus_is_one_clear_error(tmp_path):
         text.text_lm("train", global_batch_size=2, corpus=corpus)
 
 
+def test_a_corpus_not_in_utf8_names_the_file_and_its_first_bad_byte(tmp_path):
+    (tmp_path / "a.txt").write_text("plain words here\n\nmore plain words\n")
+    (tmp_path / "b.txt").write_bytes("caf\u00e9 and th\u00e9\n".encode("latin-1"))
+    corpus = text.TextCorpus(
+        files=str(tmp_path / "*.txt"), vocab_path=str(tmp_path / "vocab.txt"), vocab_size=64
+    )
+    with pytest.raises(ValueError, match=r"b\.txt is not UTF-8 text \(byte 3 on\): convert"):
+        text.text_lm("train", global_batch_size=2, corpus=corpus)
+    assert not (tmp_path / "vocab.txt").exists()
+
+
 def test_vocab_larger_than_the_model_is_one_clear_error(corpus, tmp_path):
     big = tmp_path / "vocab.txt"
     vocab.save_vocab([*vocab.RESERVED_TOKENS, *(f"w{i}" for i in range(300))], str(big))
