@@ -94,7 +94,14 @@ def serving_functions(model: keras.Model) -> dict[str, tuple[Callable, list]]:
                 message=f"rows are longer than max_length={model.max_length}, the positions "
                 "the model has",
             )
-            with tf.control_dependencies([check]):
+            # An id outside the table would wrap around (a negative one) or fail on a CPU and
+            # read zeros on a GPU: a wrong answer served without an error.
+            checks = [
+                check,
+                _assert_in_range(tokens, model.vocab_size, "token ids", "the vocabulary's size"),
+                _assert_in_range(positions, model.max_length, "positions", "max_length"),
+            ]
+            with tf.control_dependencies(checks):
                 rows = {"tokens": tokens, "segment_ids": segment_ids, "positions": positions}
                 return {"logits": model(rows, training=False)}
 
@@ -156,6 +163,17 @@ def save(
             tf.io.gfile.rmtree(staging)
         raise
     return record
+
+
+def _assert_in_range(values, limit: int, what: str, name: str):
+    """An op that fails unless 0 <= values < limit, with a message a client can act on."""
+    import tensorflow as tf
+
+    return tf.debugging.Assert(
+        tf.logical_and(tf.reduce_all(values >= 0), tf.reduce_all(values < limit)),
+        [f"{what} must be in [0, {limit}) ({name})", tf.reduce_min(values), tf.reduce_max(values)],
+        summarize=1,
+    )
 
 
 def _describe(spec) -> str:

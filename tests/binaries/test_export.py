@@ -381,5 +381,10 @@ def test_a_language_model_serves_documents_and_packed_rows(tmp_path):
         tf.errors.InvalidArgumentError, match="longer than max_length=8, the positions"
     ):
         served["serving_default"](tokens=too_long)
+    for bad_id in (-1, TINY_LM["vocab_size"]):  # -1 would wrap around to the last row
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"token ids must be in \[0, 32\)"):
+            served["serving_default"](tokens=tf.constant([[5, bad_id, 7]]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"positions must be in \[0, 8\)"):
+        served["packed"](**{**rows, "positions": -positions})
     with pytest.raises(UserError, match=re.escape("cannot export a Sequential")):
         export.serving_functions(keras.Sequential([keras.layers.Dense(2)]))
