@@ -120,7 +120,9 @@ def generate(
         if token == ids[vocab_lib.EOS]:
             break
         context.append(token)
-    return text.detokenize(tokenizer, [context], tuple(ids.values()))[0].numpy().decode("utf-8")
+    # [UNK] stays in the text: a word of the prompt the vocabulary lacks, or one the model chose.
+    markers = tuple(i for token, i in ids.items() if token != vocab_lib.UNK)
+    return text.detokenize(tokenizer, [context], markers)[0].numpy().decode("utf-8")
 
 
 def main(argv: Sequence[str]) -> int:

@@ -237,7 +237,14 @@ def test_sample_draws_only_tokens_of_the_vocabulary(run_dir):
     finally:
         gin.clear_config()
     words = sample.generate(model, vocab_list, "", max_tokens=12, temperature=1e3, seed=1)
-    assert words and set(words.replace(" ", "")) <= set("abcdefgh"), words
+    assert words and set(words.replace("[UNK]", "").replace(" ", "")) <= set("abcdefgh"), words
+
+
+def test_sample_shows_the_words_the_vocabulary_lacks_as_unk():
+    """A prompt word outside the vocabulary is [UNK] in the printout (it was dropped silently)."""
+    vocab_list = [*vocab.RESERVED_TOKENS, *"abcdefgh"]
+    model = language.DecoderLM(**TINY)
+    assert sample.generate(model, vocab_list, "a zebra b", max_tokens=0) == "a [UNK] b"
 
 
 @pytest.mark.slow

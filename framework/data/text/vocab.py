@@ -186,7 +186,10 @@ def check_fits(vocab: list[str], vocab_size: int, path: str) -> None:
 
 @functools.lru_cache(maxsize=8)
 def _cached(path: str, mtime: float) -> tuple[str, ...]:
-    return tuple(load_vocab(path))
+    vocab = tuple(load_vocab(path))
+    # Once per file: a vocab_path learned earlier from another corpus is used as it is.
+    logging.info("vocabulary: the %d tokens in %s", len(vocab), path)
+    return vocab
 
 
 def build_or_load_vocab(
