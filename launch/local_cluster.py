@@ -50,6 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from framework.core.errors import PreemptedError
+from launch import usage
 
 STRATEGY_BINDING = "--gin.Runtime.strategy='multi_worker_mirrored'"
 POLL_SECONDS = 0.2
@@ -253,7 +254,7 @@ def run_cluster(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = usage.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num_workers", type=int, default=2)
     parser.add_argument(
         "--grace_seconds",

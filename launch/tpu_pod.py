@@ -44,6 +44,7 @@ from pathlib import Path
 # Run as a script (`python launch/tpu_pod.py`), the launcher finds its modules from the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from launch import usage
 from launch.tpu.commands import (
     create,
     delete,
@@ -75,7 +76,7 @@ def _split_at_double_dash(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = usage.ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog="run/resume: ... -- FLAGS FOR framework.train"
     )
     parser.add_argument("subcommand", choices=SUBCOMMANDS)

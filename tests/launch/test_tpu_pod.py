@@ -551,4 +551,19 @@ def test_a_failing_step_stops_the_launcher_with_its_status(tmp_path):
     ],
 )
 def test_bad_usage(cloud, args, message):
-    assert message in cloud.launch(*args, status=2).stderr
+    """One `error:` line that says what to do, not argparse's usage block."""
+    stderr = cloud.launch(*args, status=2).stderr
+    assert [line for line in stderr.splitlines() if message in line][0].startswith("error: ")
+    assert "usage:" not in stderr
+
+
+def test_the_local_clusters_bad_usage_is_one_error_line():
+    result = subprocess.run(
+        [sys.executable, str(REPO_DIR / "launch" / "local_cluster.py"), "--num_workers=0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr == "error: --num_workers must be at least 1 (see --help)\n"
