@@ -143,10 +143,10 @@ class Trainer:
             logging.info("init_checkpoint not used: resuming from the run's own checkpoint")
         self.actions = (*actions_lib.built_in(model_dir, s), *s.actions, *extra_actions)
         # Built now, so a bad data configuration fails before training (and before the summary
-        # writers make directories in model_dir) and gin records it; the training split too,
-        # which `train` builds again from the step it starts at.
+        # writers make directories in model_dir) and gin records it; the training split from
+        # the step the run starts at, which the first `train_iterator` reads.
         self._eval_dataset = self._dataset("eval")
-        self._dataset("train")
+        self._first_train_dataset = (self.step, self._train_dataset())
         self.summaries = Summaries(model_dir if self.is_chief else None)
 
     def _weights_placement(self):
@@ -196,9 +196,15 @@ class Trainer:
     def train_iterator(self):
         """An iterator over the distributed training data, from the current step on (reading
         from the restored checkpoint's stream positions where it holds them)."""
+        first, self._first_train_dataset = self._first_train_dataset, None
+        if first is not None and first[0] == self.step:
+            return iter(first[1])
+        return iter(self._train_dataset())
+
+    def _train_dataset(self) -> tf.distribute.DistributedDataset:
         if self._stream_positions is not None and self.run_state is not None:
             self._stream_positions.saved = self.run_state.saved_data_position
-        return iter(self._dataset("train", self.step, self._stream_positions))
+        return self._dataset("train", self.step, self._stream_positions)
 
     def _note_stream_position(self) -> None:
         """Keeps the checkpoint's stream positions at the current step: this process's, or

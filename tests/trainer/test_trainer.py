@@ -266,6 +266,23 @@ def test_finite_training_data_is_a_clear_error(tmp_path):
         trainer.train()
 
 
+def test_the_training_pipeline_is_built_once_per_start(tmp_path):
+    """Built with the trainer (to check the data early), at the step the run starts at, and read
+    by the first iterator; a later one (after a rollback) builds it again."""
+    starts = []
+
+    def counted(split, input_context=None, **kwargs):
+        if split == "train":
+            starts.append(kwargs.get("start_step", 0))
+        return tiny.dataset_fn(split, input_context, **kwargs)
+
+    trainer = make_trainer(tmp_path, dataset_fn=counted)
+    next(trainer.train_iterator())
+    assert starts == [0]
+    next(trainer.train_iterator())
+    assert starts == [0, 0]
+
+
 def test_empty_eval_data_is_a_clear_error(tmp_path):
     def no_eval(split, input_context=None, **kwargs):
         return tiny.dataset_fn(split, input_context, **kwargs).take(0)
