@@ -20,6 +20,8 @@ from framework.memory import gpu, tpu, units
 from framework.runtime import distribute, flops, xla
 
 PRECISIONS = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
+# The Keras dtype policy the last Runtime set: another one found at start was the user's own.
+_policy_set = ["float32"]
 
 
 @gin.configurable
@@ -93,6 +95,7 @@ class Runtime:
         Call it before TensorFlow runs anything: XLA reads its flags once per process, and
         logical CPU devices cannot be made once devices are in use.
         """
+        _check_global_policy(PRECISIONS[self.precision])
         limit = self.xla_memory_limit and units.parse_bytes(self.xla_memory_limit)
         libtpu_flags = list(self.libtpu_flags)
         if limit and self.strategy == "tpu":  # before TensorFlow loads libtpu
@@ -110,6 +113,7 @@ class Runtime:
             device_bytes = tf_internals.device_memory_bytes(kind) if kind == "GPU" else None
             xla.set_xla_flags(xla.remat_limit_flags(kind, limit, device_bytes)[0])
         keras.config.set_dtype_policy(PRECISIONS[self.precision])
+        _policy_set[0] = PRECISIONS[self.precision]
         return strategy
 
     def peak_flops_per_device(self, strategy: tf.distribute.Strategy) -> tuple[float | None, str]:
@@ -129,3 +133,17 @@ class Runtime:
             local = len(strategy.extended.worker_devices)  # logical devices share the cores
             return flops.measure_cpu_flops() / local, "measured float32 matmul on this CPU"
         return None, f"{kind} reports no type to TensorFlow: set Runtime.peak_tflops"
+
+
+def _check_global_policy(wanted: str) -> None:
+    """Raises ValueError when the user set Keras' global dtype policy to another than the run's
+    precision: the run would replace it, silently training in another precision. Keras'
+    default (float32) and the policy a Runtime set before are not the user's."""
+    found = keras.config.dtype_policy().name
+    if found not in (wanted, _policy_set[0], "float32"):
+        choices = ", ".join(f"{name!r} ({policy})" for name, policy in PRECISIONS.items())
+        raise ValueError(
+            f"Keras' global dtype policy is {found!r}, which the run would replace with "
+            f"{wanted!r}: set Runtime.precision instead ({choices}) and leave the global "
+            "policy alone"
+        )

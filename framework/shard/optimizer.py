@@ -37,6 +37,11 @@ def check_shardable(optimizer: keras.optimizers.Optimizer) -> None:
             "per-weight norms or RMS, Nadam's scalar). Use Trainer.shard_state = 'none' with "
             "it, or AdamW"
         )
+    if getattr(optimizer, "use_ema", False):
+        raise ValueError(
+            f"{name} was made with use_ema=True, which sharded state does not hold (the "
+            "averages would be made for whole weights): use Trainer.shard_state = 'none' with it"
+        )
     for clip in ("clipnorm", "global_clipnorm", "clipvalue"):
         if getattr(optimizer, clip, None) is not None:
             raise ValueError(

@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
+from framework.core.errors import TrainerError
+
 LossFn = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
 
 
@@ -31,12 +33,8 @@ def cross_entropy(
         raise ValueError(f"cross_entropy.label_smoothing must be in [0, 1), got {label_smoothing}")
     logits = tf.cast(logits, tf.float32)
     labels = tf.convert_to_tensor(labels)
+    check_labels(logits, labels)
     if labels.dtype.is_floating:
-        if labels.shape[-1] != logits.shape[-1]:
-            raise ValueError(
-                f"the labels are probabilities over {labels.shape[-1]} classes, the logits over "
-                f"{logits.shape[-1]}: give the model the data set's number of classes"
-            )
         labels = tf.cast(labels, tf.float32)
         losses = tf.nn.softmax_cross_entropy_with_logits(labels=labels, logits=logits)
     else:
@@ -45,6 +43,39 @@ def cross_entropy(
         uniform = tf.reduce_logsumexp(logits, -1) - tf.reduce_mean(logits, -1)
         losses = (1.0 - label_smoothing) * losses + label_smoothing * uniform
     return losses
+
+
+def check_labels(logits: tf.Tensor, labels: tf.Tensor) -> None:
+    """Raises TrainerError for labels that do not fit logits [..., C]: integer class ids must
+    have one axis fewer, probabilities the same axes and C classes. Checked on static shapes, as
+    a step is traced: labels [batch, 1] or float class ids [batch] would otherwise broadcast
+    or be read as probabilities (over the batch, when it equals C), a wrong loss without error.
+    """
+    rank, classes = logits.shape.rank, logits.shape[-1] if logits.shape.rank else None
+    if rank is None or labels.shape.rank is None:
+        return
+    shapes = f"labels {labels.dtype.name} {labels.shape.as_list()}, logits {logits.shape.as_list()}"
+    if labels.dtype.is_floating and labels.shape.rank == rank:
+        if None not in (labels.shape[-1], classes) and labels.shape[-1] != classes:
+            raise TrainerError(
+                f"the labels are probabilities over {labels.shape[-1]} classes, the logits over "
+                f"{classes}: give the model the data set's number of classes"
+            )
+    elif labels.dtype.is_floating and labels.shape.rank == rank - 1:
+        raise TrainerError(
+            f"{shapes}: the labels look like class ids in floating point; cast them to int32 "
+            "in the data set (floating-point labels are class probabilities [..., classes])"
+        )
+    elif not labels.dtype.is_integer or labels.shape.rank != rank - 1:
+        hint = (
+            "; drop the labels' last axis of size 1"
+            if labels.shape.rank == rank and labels.shape[-1] == 1
+            else ""
+        )
+        raise TrainerError(
+            f"{shapes}: give integer class ids with one axis fewer than the logits, or float "
+            f"class probabilities with the logits' shape{hint}"
+        )
 
 
 def label_classes(labels: tf.Tensor) -> tf.Tensor:

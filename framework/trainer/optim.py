@@ -77,9 +77,36 @@ def for_reduced_gradients(optimizer: keras.optimizers.Optimizer) -> keras.optimi
     same class with `GradientsAlreadyReduced` mixed in (before it is built, so nothing of its
     state changes). Left as it was, it would sum the trainer's summed gradients again: N times
     too large on N replicas, and on shards a sum of different replicas' parts."""
+    check_supported(optimizer)
     if not isinstance(optimizer, tf_internals.GradientsAlreadyReduced):
         optimizer.__class__ = _reduced_class(type(optimizer))
     return optimizer
+
+
+def check_supported(optimizer: keras.optimizers.Optimizer) -> None:
+    """Raises ValueError for Keras optimizer settings the trainer's step would silently undo:
+    each is a step of Keras' `fit` that the trainer does its own way, or not at all."""
+    name = type(optimizer).__name__
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            f"optimizer_fn returned a {name}: the trainer does not scale the loss, so its "
+            "updates would be divided by the loss scale (2**15 times too small). Return the "
+            "inner optimizer, and train in bfloat16 (Runtime.precision = 'bfloat16'), which "
+            "needs no loss scaling"
+        )
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        raise ValueError(
+            f"{name} was made with gradient_accumulation_steps=..., which the trainer's step "
+            "does not follow (under a strategy it fails; on one device each logged step would "
+            "be several batches): accumulate with Trainer.microbatches instead"
+        )
+    if getattr(optimizer, "use_ema", False) and not optimizer.ema_overwrite_frequency:
+        raise ValueError(
+            f"{name} was made with use_ema=True but no ema_overwrite_frequency: the trainer "
+            "never swaps the averaged weights into the model (Keras' fit does at its end), so "
+            "evaluation, checkpoints and exports would hold the raw weights. Set "
+            "ema_overwrite_frequency, or leave use_ema out"
+        )
 
 
 @functools.cache

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
+from framework.core.errors import TrainerError
 from framework.shard.state import ShardedState, WeightReads, reads_redirected
 from framework.trainer.losses import LossFn, cross_entropy, label_classes
 
@@ -74,9 +75,21 @@ def _losses_and_predictions(model: keras.Model, inputs, labels, loss_fn: LossFn,
     setting for large vocabularies) computes them itself from the labels and `loss_fn`, chunk
     by chunk, and never holds the whole logits."""
     if getattr(model, "loss_chunk", None) is None:
-        logits = tf.cast(model(inputs, training=training), tf.float32)
+        outputs = model(inputs, training=training)
+        if not tf.is_tensor(outputs):
+            raise TrainerError(
+                f"the model returns {type(outputs).__name__} {_structure(outputs)}: the trainer "
+                "needs one tensor of logits [..., classes]; have model_fn return a model with "
+                "that one output"
+            )
+        logits = tf.cast(outputs, tf.float32)
         return loss_fn(logits, labels), tf.argmax(logits, -1, output_type=tf.int32)
     return model(inputs, training=training, labels=labels, loss_fn=loss_fn)
+
+
+def _structure(outputs) -> str:
+    """What a model returned, for an error: the structure with each tensor's shape."""
+    return str(tf.nest.map_structure(lambda x: getattr(x, "shape", x), outputs))
 
 
 def _batch_gradients(model: keras.Model, batch, loss_fn: LossFn, reads: WeightReads):
@@ -84,9 +97,11 @@ def _batch_gradients(model: keras.Model, batch, loss_fn: LossFn, reads: WeightRe
         tape.watch([s for s in reads.sources if not isinstance(s, keras.Variable)])
         sums = batch_sums(model, batch, loss_fn, training=True)
     grads = tape.gradient(sums[0], reads.sources)
-    # Dense and never None, so micro-batch sums and the all-reduce see one structure.
+    # Dense and never None, so micro-batch sums and the all-reduce see one structure; shaped
+    # as their weights (a Dense kernel's gradient from a [batch, length, dim] input of unknown
+    # batch has an unknown first dimension, which sharding cannot split).
     grads = [
-        tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+        tf.zeros_like(v) if g is None else tf.ensure_shape(tf.convert_to_tensor(g), v.shape)
         for g, v in zip(grads, reads.sources, strict=True)
     ]
     return sums, grads

@@ -70,11 +70,18 @@ class Trainer:
         with self.strategy.scope():
             with self._weights_placement():
                 self.model = s.model_fn()
+            _check_float32_weights(self.model)
             if s.remat_policy is not None:
                 # A memory budget prices kept masks as this device's compiler stores them.
                 bits = MASK_BITS.get(distribute.device_type(self.strategy), 1)
                 policy = remat.get_policy(s.remat_policy, mask_bits=bits)
                 blocks = remat.set_grad_checkpointing(self.model, policy=policy)
+                if not blocks:
+                    raise ValueError(
+                        f"remat_policy={s.remat_policy!r} found nothing to checkpoint in "
+                        f"{self.model.name!r} (no repeated blocks, and no place to cut its "
+                        "layer graph): train it with remat_policy=None"
+                    )
                 logging.info("remat policy %s on %d blocks", s.remat_policy, len(blocks))
             self.optimizer, self.learning_rate_scale = optim.scheduled_optimizer(
                 s.optimizer_fn, s.learning_rate, s.warmup_steps, s.train_steps, s.weight_decay
@@ -338,6 +345,20 @@ class Trainer:
     def save(self) -> str | None:
         """Saves the current step to model_dir (once); None without a model_dir."""
         return self.run_state.save() if self.run_state else None
+
+
+def _check_float32_weights(model: keras.Model) -> None:
+    """Raises ValueError for weights in another type than float32: the step sums, clips and
+    all-reduces gradients in float32, and a bfloat16 weight would lose small updates."""
+    other = [v for v in model.trainable_variables if v.dtype != "float32"]
+    if other:
+        named = getattr(other[0], "path", other[0].name)
+        more = f" and {len(other) - 1} more" if len(other) > 1 else ""
+        raise ValueError(
+            f"the model has {other[0].dtype} weights ({named}{more}): the trainer keeps weights "
+            "in float32; for bfloat16 compute set Runtime.precision = 'bfloat16' (float32 "
+            "weights) and leave the layers' dtype unset"
+        )
 
 
 class _LoopView(actions_lib.Loop):

@@ -161,6 +161,34 @@ def test_weights_with_a_constraint_cannot_be_sharded():
         run(shard_state="optimizer", model_fn=model)
 
 
+def test_a_dense_layer_on_a_sequence_of_unknown_batch_trains_sharded():
+    """A Dense kernel's gradient from a [batch, ..., dim] input of unknown batch (data batched
+    without drop_remainder; every keras-hub transformer) had an unknown first dimension, and
+    splitting it into shards was a TypeError."""
+
+    def model():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input([8, 8, 3])
+        hidden = keras.layers.GlobalAveragePooling2D()(keras.layers.Dense(16)(inputs))
+        return keras.Model(inputs, keras.layers.Dense(4)(hidden))
+
+    def unknown_batch(split, input_context=None, **kwargs):
+        def loosen(*batch):
+            keep = tf.ones(tf.shape(batch[0])[:1], tf.bool)
+            return tuple(tf.boolean_mask(x, keep) for x in batch)
+
+        return tiny.dataset_fn(split, input_context, **kwargs).map(loosen)
+
+    assert unknown_batch("train", global_batch_size=4).element_spec[0].shape[0] is None
+    states = []
+    for level in ("none", "optimizer", "weights"):
+        trainer = run(shard_state=level, model_fn=model, dataset_fn=unknown_batch)
+        trainer.train()
+        states.append(state(trainer))
+    assert largest_difference(states[1], states[0]) < 1e-6
+    assert largest_difference(states[2], states[0]) < 1e-6
+
+
 def test_an_unknown_level_lists_the_levels():
     with pytest.raises(ValueError, match="'none', 'optimizer', 'gradients', 'weights'"):
         run(shard_state="zero3")

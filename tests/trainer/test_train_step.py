@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from framework import remat
 from framework.core import tf_internals
+from framework.core.errors import TrainerError
 from framework.models import transformer, vit
 from framework.trainer import Trainer, losses, optim, settings, train_step
 from tests import tiny
@@ -118,6 +119,29 @@ def test_bad_label_smoothing_is_a_clear_error():
         losses.cross_entropy(tf.zeros([2, 3]), tf.zeros([2], tf.int32), label_smoothing=1.0)
 
 
+@pytest.mark.parametrize(
+    "labels, message",
+    [
+        # Float class ids when the batch equals the classes (4): read as probabilities before.
+        (tf.constant([0.0, 1.0, 2.0, 3.0]), "class ids in floating point; cast them to int32"),
+        (tf.zeros([4, 1], tf.int32), "drop the labels' last axis of size 1"),
+        (tf.one_hot([0, 1, 2, 3], 4, dtype=tf.int32), "integer class ids with one axis fewer"),
+        (tf.zeros([4, 5]), "probabilities over 5 classes, the logits over 4"),
+    ],
+)
+def test_labels_that_do_not_fit_the_logits_are_one_clear_error(labels, message):
+    with pytest.raises(TrainerError, match=message):
+        losses.cross_entropy(tf.zeros([4, 4]), labels)
+
+
+def test_a_model_with_several_outputs_is_one_clear_error():
+    inputs = keras.Input([3])
+    model = keras.Model(inputs, [keras.layers.Dense(4)(inputs), keras.layers.Dense(2)(inputs)])
+    batch = (tf.zeros([2, 3]), tf.zeros([2], tf.int32))
+    with pytest.raises(TrainerError, match="needs one tensor of logits"):
+        train_step.batch_sums(model, batch)
+
+
 def scaled_loss(logits, labels, *, factor=1.0):
     """A custom loss of the user's: cross-entropy times a gin-bound factor."""
     return factor * losses.cross_entropy(logits, labels)
@@ -203,6 +227,58 @@ def test_a_keras_optimizer_takes_the_gradients_the_trainer_summed_as_they_are(ma
     assert isinstance(trainer.optimizer, make)
     assert isinstance(trainer.optimizer, tf_internals.GradientsAlreadyReduced)
     # Two replicas, against the trainer's own optimizer: tests/shard/test_replicas.py.
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        # Updates divided by the loss scale (2**15 times too small): the step scales no loss.
+        (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), "2\\*\\*15"),
+        # Under a strategy Keras' accumulation fails; on one device a step was two batches.
+        (lambda: keras.optimizers.SGD(gradient_accumulation_steps=2), "Trainer.microbatches"),
+        # The averaged weights were never swapped in: evaluation and exports held the raw ones.
+        (lambda: keras.optimizers.SGD(use_ema=True), "no ema_overwrite_frequency"),
+    ],
+)
+def test_keras_optimizer_settings_the_step_would_undo_are_refused(make, message):
+    with pytest.raises(ValueError, match=message):
+        optim.for_reduced_gradients(make())
+    optim.for_reduced_gradients(keras.optimizers.SGD(use_ema=True, ema_overwrite_frequency=1))
+
+
+def _plain_mlp() -> keras.Model:
+    """No blocks and no place to cut its graph: nothing for remat to checkpoint."""
+    inputs = keras.Input([8, 8, 3])
+    return keras.Model(inputs, keras.layers.Dense(4)(keras.layers.Flatten()(inputs)))
+
+
+def _bfloat16_mlp() -> keras.Model:
+    inputs = keras.Input([8, 8, 3])
+    hidden = keras.layers.Dense(4, dtype="bfloat16")(keras.layers.Flatten()(inputs))
+    return keras.Model(inputs, hidden)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # Only a warning before, and a run that trained without remat.
+        ({"model_fn": _plain_mlp, "remat_policy": "dots_saveable"}, "found nothing to check"),
+        # A traceback in the step's clipping (one device) or all-reduce (several).
+        ({"model_fn": _bfloat16_mlp}, "the model has bfloat16 weights"),
+    ],
+)
+def test_models_the_trainer_cannot_train_as_asked_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        Trainer(None, **{**tiny.TRAINER_ARGS, **overrides})
+
+
+def test_a_global_dtype_policy_of_the_users_is_not_silently_replaced():
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        with pytest.raises(ValueError, match="global dtype policy is 'mixed_float16'"):
+            Trainer(None, **tiny.TRAINER_ARGS)
+    finally:
+        keras.config.set_dtype_policy("float32")
 
 
 def test_the_losses_a_model_adds_count_as_in_keras_fit():
