@@ -91,6 +91,7 @@ def define_budget_flags(memory_budget_help: str) -> None:
         upper_bound=0.9,
         module_name=_OWNER,
     )
+    flags.register_validator("safety_margin", lambda m: m == m, "--safety_margin must be a number")
     flags.DEFINE_list(
         "policies",
         list(DEFAULT_POLICIES),

@@ -75,12 +75,24 @@ TPU_CHIPS = {
 def tpu_devices(accelerator_type: str) -> int:
     """The devices (chips) of a slice, among which a data-parallel batch is split:
     "v5litepod-16" -> 16, "v4-32" -> 16 (v4 and v5p slices count TensorCores, two per chip, and
-    TensorFlow makes one device per chip); a bare chip name ("v5e") is one."""
+    TensorFlow makes one device per chip); a bare chip name ("v5e") is one.
+
+    Raises:
+      ValueError: a size that is no slice's ("v5e-3", "v4-3").
+    """
     chip = tpu_chip(accelerator_type)
     match = re.search(r"-(\d+)$", accelerator_type.strip())
     if match is None:
         return 1
-    return max(1, int(match[1]) // (2 if chip.chip_config == "megacore" else 1))
+    per_chip = 2 if chip.chip_config == "megacore" else 1
+    chips = int(match[1]) // per_chip
+    if chips < 1 or chips & (chips - 1) or int(match[1]) % per_chip:
+        sizes = ", ".join(f"{chip.accelerator_prefix}-{n * per_chip}" for n in (1, 4, 8, 16))
+        raise ValueError(
+            f"{accelerator_type!r} is not a TPU slice: a slice has a power-of-two number of "
+            f"chips ({sizes}, ...)"
+        )
+    return chips
 
 
 def slice_topology(chip: TpuChip, chips: int) -> tuple[str, tuple[int, int, int]]:

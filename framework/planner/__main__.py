@@ -54,6 +54,7 @@ flags.DEFINE_float(
     lower_bound=0.0,
     upper_bound=1.0,
 )
+flags.register_validator("tie_tolerance", lambda t: t == t, "--tie_tolerance must be a number")
 flags.adopt_module_key_flags(cli)
 flags.declare_key_flag("verbosity")
 FLAGS = flags.FLAGS
@@ -82,6 +83,32 @@ def _target() -> str | None:
         raise UsageError(f"--target: {error}") from None
 
 
+def _check_config(target: str | None, batch_sizes: list[int | None]) -> None:
+    """What the parsed config must give before any worker starts: a model and data, and for a
+    TPU slice, global batch sizes that split over its chips."""
+    from framework.memory import targets, tpu
+    from framework.trainer.settings import TrainerSettings
+
+    for setting in ("model_fn", "dataset_fn"):
+        if cli.bound_value(cli.binding_name(TrainerSettings, setting)) is None:
+            raise UsageError(
+                f"the config binds no Trainer.{setting}: give a --gin_file that does (such as "
+                "quickstart.gin)"
+            )
+    if target is None or targets.target_device(target).kind != "TPU":
+        return
+    devices = tpu.tpu_devices(target)
+    name = cli.binding_name(TrainerSettings, "global_batch_size")
+    config_batch = cli.bound_value(name) or TrainerSettings.global_batch_size
+    for size in batch_sizes:
+        size = config_batch if size is None else size
+        if size % devices:
+            raise UsageError(
+                f"global batch size {size} does not split over the {devices} chips of {target}: "
+                f"give --batch_sizes that are multiples of {devices}"
+            )
+
+
 def main(argv: Sequence[str]) -> int:
     """Plans for the parsed flags; returns the exit status (0 a pick, 1 nothing fits)."""
     files, bindings = cli.gin_inputs(argv)
@@ -95,8 +122,16 @@ def main(argv: Sequence[str]) -> int:
         )
     if target is not None:
         from framework.memory import targets
+        from framework.memory.units import format_bytes
 
-        budget = budget or targets.target_device(target).memory_bytes
+        device = targets.target_device(target)
+        if budget is not None and budget > device.memory_bytes:
+            raise UsageError(
+                f"--memory_budget={FLAGS.memory_budget} is more than the "
+                f"{format_bytes(device.memory_bytes)} of {target}: leave it out to plan for "
+                "the whole device, or give less"
+            )
+        budget = budget or device.memory_bytes
     policies = cli.policies_flag()
     batch_sizes = _batch_sizes()
 
@@ -104,6 +139,7 @@ def main(argv: Sequence[str]) -> int:
     from framework.trainer import trainer  # noqa: F401  (registers the gin names)
 
     cli.parse_gin(files, bindings, FLAGS.gin_search_paths)
+    _check_config(target, batch_sizes)
     shard_states = cli.shard_states_flag()
     cli.prepare_model_dir(model_dir)
     config = planner.RunConfig(files, bindings, FLAGS.gin_search_paths)

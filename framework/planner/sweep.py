@@ -40,7 +40,7 @@ def plan_target(name: str | None, measure: Measure | str) -> str | None:
       MissingDependency: that device's compiler (the `tpu` or `gpu` extra) is not installed.
     """
     from framework.core import jax_internals
-    from framework.memory import gpu, targets
+    from framework.memory import gpu, targets, tpu
 
     if name is None:
         card = None if measure == Measure.RUN else gpu.local_card()
@@ -49,6 +49,8 @@ def plan_target(name: str | None, measure: Measure | str) -> str | None:
         logging.info("plan: compiling for this host's GPU, described as %s", card.name)
         name = card.name
     device = targets.target_device(name)
+    if device.kind == "TPU":
+        tpu.tpu_devices(name)  # (a slice size that does not exist raises)
     if measure == Measure.RUN:
         raise ValueError(f"a plan for {name} is compiled, not run: drop --measure=run")
     jax_internals.require_compiler(device.kind.lower())

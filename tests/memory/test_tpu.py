@@ -242,6 +242,18 @@ def test_chip_names_and_accelerator_types(name, chip):
     assert tpu.tpu_chip(name).name == chip
 
 
+@pytest.mark.parametrize("name, devices", [("v5e", 1), ("v5litepod-16", 16), ("v4-32", 16)])
+def test_a_slice_has_a_device_per_chip(name, devices):
+    assert tpu.tpu_devices(name) == devices
+
+
+@pytest.mark.parametrize("name", ["v5e-0", "v5e-3", "v4-3", "v4-12"])
+def test_a_slice_size_no_slice_has_is_an_error(name):
+    """They were planned as one chip, or as 3 chips of a slice that does not exist."""
+    with pytest.raises(ValueError, match=f"'{name}' is not a TPU slice"):
+        tpu.tpu_devices(name)
+
+
 def test_an_unknown_chip_names_the_known_ones():
     with pytest.raises(ValueError, match=r"Unknown TPU chip 'v9'.*v5e \(v5litepod-N\)"):
         tpu.tpu_chip("v9")

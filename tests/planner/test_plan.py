@@ -374,6 +374,25 @@ def test_the_pick_is_the_highest_throughput_that_fits_ties_going_to_less_recompu
             ["--target=p100", "--measure=run"],
             "--target: a plan for p100 is compiled, not run",
         ),
+        # Each of these was a plan, a traceback or a failure after the workers had started.
+        ("framework.planner", ["--target=v5e-3"], "'v5e-3' is not a TPU slice: a slice has"),
+        (
+            "framework.planner",
+            ["--target=v5litepod-8", "--batch_sizes=12"],
+            "global batch size 12 does not split over the 8 chips of v5litepod-8",
+        ),
+        (
+            "framework.planner",
+            ["--target=p100", "--memory_budget=64GiB"],
+            "--memory_budget=64GiB is more than the 15.89 GiB of p100",
+        ),
+        ("framework.planner", ["--memory_budget=1GiB", "--tie_tolerance=nan"], "must be a number"),
+        ("framework.planner", ["--memory_budget=1GiB", "--safety_margin=nan"], "must be a number"),
+        (
+            "framework.planner",
+            ["--memory_budget=1GiB", "--gin.Trainer.model_fn=None"],
+            "the config binds no Trainer.model_fn",
+        ),
         ("framework.train", ["--gin.Trainer.remat_policy='auto'"], "needs --memory_budget"),
         (  # without 'auto' no plan is made: the run would ignore them
             "framework.train",
