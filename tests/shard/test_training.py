@@ -161,6 +161,7 @@ def test_weights_with_a_constraint_cannot_be_sharded():
         run(shard_state="optimizer", model_fn=model)
 
 
+@pytest.mark.slow
 def test_a_dense_layer_on_a_sequence_of_unknown_batch_trains_sharded():
     """A Dense kernel's gradient from a [batch, ..., dim] input of unknown batch (data batched
     without drop_remainder; every keras-hub transformer) had an unknown first dimension, and

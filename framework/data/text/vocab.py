@@ -24,6 +24,7 @@ import tensorflow as tf
 from tensorflow_text.tools.wordpiece_vocab import wordpiece_tokenizer_learner_lib as learner
 
 from framework.core import files
+from framework.core.errors import UserError
 
 PAD, UNK, BOS, EOS, MASK = "[PAD]", "[UNK]", "[BOS]", "[EOS]", "[MASK]"
 RESERVED_TOKENS = (PAD, UNK, BOS, EOS, MASK)
@@ -38,7 +39,7 @@ MAX_WORDS = 50_000
 ALIASES = {BOS: "[CLS]", EOS: "[SEP]"}
 
 
-class NotUtf8Error(ValueError):
+class NotUtf8Error(UserError, ValueError):
     """The sample holds words that are not UTF-8, which the learner cannot count (tokenizing
     them would give [UNK]): the corpus is in another encoding."""
 
