@@ -125,10 +125,19 @@ class StopDivergence:
             if latest
             else "no finite checkpoint exists"
         )
+        # No finite checkpoint yet: the loss may never have been finite, which bad data gives
+        # at any learning rate (XLA computes a nan loss for a label outside the classes).
+        data = (
+            ""
+            if latest
+            else " If it was never finite, check the data first: labels outside the model's "
+            "classes (its number of outputs) or non-finite inputs give a nan loss."
+        )
         raise TrainerError(
             f"{what} before step {diverged_at}: training diverged and this state was not saved; "
             f"{kept}. Lower Trainer.learning_rate, raise Trainer.warmup_steps or set "
-            "Trainer.clip_norm (or Trainer.divergence_rollbacks), and run again to resume from it."
+            "Trainer.clip_norm (or Trainer.divergence_rollbacks), and run again to resume from "
+            f"it.{data}"
         )
 
 

@@ -76,7 +76,7 @@ class Trainer:
                 bits = MASK_BITS.get(distribute.device_type(self.strategy), 1)
                 policy = remat.get_policy(s.remat_policy, mask_bits=bits)
                 blocks = remat.set_grad_checkpointing(self.model, policy=policy)
-                if not blocks:
+                if not blocks and policy is not remat.policies.everything_saveable:  # ('none')
                     raise ValueError(
                         f"remat_policy={s.remat_policy!r} found nothing to checkpoint in "
                         f"{self.model.name!r} (no repeated blocks, and no place to cut its "

@@ -9,6 +9,7 @@ import types
 import gin
 import pytest
 
+from framework.core.errors import TrainerError
 from framework.trainer import Trainer, actions
 from tests import tiny
 
@@ -94,3 +95,23 @@ def test_save_checkpoints_and_evaluate_follow_their_intervals():
         evaluate(fake, {})
     assert fake.saved == 5  # steps 4, 8, 12, 16, 20
     assert fake.evaluated == 1  # step 10 (20 is the last step: train_and_evaluate evaluates it)
+
+
+@pytest.mark.parametrize("latest", [None, "ckpt-5"])
+def test_a_loss_never_finite_points_at_the_data_before_the_learning_rate(latest):
+    """Labels outside the model's classes give a nan loss from the first step; the error only
+    named the learning rate. Once a finite checkpoint exists, the data hint is left out."""
+
+    class Diverged:
+        step = 5
+
+        def state_is_finite(self):
+            return True
+
+        def newest_finite_checkpoint(self):
+            return latest
+
+    with pytest.raises(TrainerError) as raised:
+        actions.StopDivergence()(Diverged(), {"loss": float("nan")})
+    assert ("labels outside the model's classes" in str(raised.value)) == (latest is None)
+    assert "Lower Trainer.learning_rate" in str(raised.value)

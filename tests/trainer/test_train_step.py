@@ -272,6 +272,10 @@ def test_models_the_trainer_cannot_train_as_asked_are_refused(overrides, message
         Trainer(None, **{**tiny.TRAINER_ARGS, **overrides})
 
 
+def test_remat_policy_none_asks_for_nothing_to_checkpoint():
+    Trainer(None, **{**tiny.TRAINER_ARGS, "model_fn": _plain_mlp, "remat_policy": "none"})
+
+
 def test_a_global_dtype_policy_of_the_users_is_not_silently_replaced():
     keras.config.set_dtype_policy("mixed_float16")
     try:
