@@ -128,6 +128,7 @@ def test_an_optimizer_that_reads_whole_weights_cannot_be_sharded():
         run(shard_state="optimizer", optimizer_fn=optim.adafactor)
 
 
+@pytest.mark.slow
 def test_a_weight_regularizer_reaches_the_shards(unsharded):
     """The regularizer reads the weight the model computes with: gathered from the shards."""
 
