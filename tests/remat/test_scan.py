@@ -107,6 +107,7 @@ def test_each_loop_step_is_recomputed():
     assert remat.checkpointed_layers(scanned) == []
 
 
+@pytest.mark.slow
 def test_the_compiled_loop_recomputes_what_the_policy_does_not_keep():
     """XLA's program of the step: the scanned loop with `dots_saveable` computes no product twice
     (the unrolled model's FLOPs without remat); `nothing_saveable` recomputes every block's
@@ -354,6 +355,7 @@ class _TemplateCalls:
             self._taking = False
 
 
+@pytest.mark.slow
 def test_a_keras_hub_block_scanned_with_remat_matches_unrolled_in_every_mode_and_fit():
     """A block no one here wrote: each step rebuilt in the backward pass (the template is called
     while the gradient is taken), gradients equal to the unrolled blocks' with dropout on in

@@ -83,6 +83,7 @@ def keys_and_shapes(model_dir) -> dict:
     return tf.train.load_checkpoint(prefix).get_variable_to_shape_map()
 
 
+@pytest.mark.slow
 def test_checkpoints_are_an_unsharded_runs_and_restore_both_ways(tmp_path):
     sharded = run(tmp_path / "sharded", shard_state="weights")
     sharded.train()
