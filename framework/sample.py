@@ -25,7 +25,7 @@ flags.DEFINE_string("prompt", "", "Text to continue; empty starts a new document
 flags.DEFINE_float(
     "temperature", 0.8, "Sampling temperature; 0 picks the likeliest token.", lower_bound=0.0
 )
-flags.register_validator("temperature", lambda t: t == t, "--temperature must be a number")
+cli.require_a_number("temperature")
 flags.DEFINE_integer(
     "max_tokens", 64, "Tokens to generate (fewer if [EOS] comes first).", lower_bound=1
 )

@@ -30,6 +30,7 @@ from framework.cli.flags import (
     define_budget_flags,
     define_config_flags,
     define_model_dir_flag,
+    require_a_number,
     rewrite_gin_shorthand,
 )
 from framework.cli.gin_config import binding_name, bound_value, parse_gin, parse_run_config
@@ -48,6 +49,7 @@ __all__ = [
     "gin_inputs",
     "memory_budget_flag",
     "model_dir_flag",
+    "require_a_number",
     "parse_gin",
     "parse_run_config",
     "policies_flag",

@@ -91,7 +91,7 @@ def define_budget_flags(memory_budget_help: str) -> None:
         upper_bound=0.9,
         module_name=_OWNER,
     )
-    flags.register_validator("safety_margin", lambda m: m == m, "--safety_margin must be a number")
+    require_a_number("safety_margin")
     flags.DEFINE_list(
         "policies",
         list(DEFAULT_POLICIES),
@@ -133,6 +133,11 @@ def define_budget_flags(memory_budget_help: str) -> None:
         lower_bound=0,
         module_name=_OWNER,
     )
+
+
+def require_a_number(name: str) -> None:
+    """Refuses nan for the float flag `name`: absl's bounds are comparisons, which nan passes."""
+    flags.register_validator(name, lambda value: value == value, f"--{name} must be a number")
 
 
 def rewrite_gin_shorthand(argv: Sequence[str]) -> list[str]:

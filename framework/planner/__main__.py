@@ -54,7 +54,7 @@ flags.DEFINE_float(
     lower_bound=0.0,
     upper_bound=1.0,
 )
-flags.register_validator("tie_tolerance", lambda t: t == t, "--tie_tolerance must be a number")
+cli.require_a_number("tie_tolerance")
 flags.adopt_module_key_flags(cli)
 flags.declare_key_flag("verbosity")
 FLAGS = flags.FLAGS

@@ -129,6 +129,14 @@ def test_an_optimizer_that_reads_whole_weights_cannot_be_sharded():
         run(shard_state="optimizer", optimizer_fn=optim.adafactor)
 
 
+def test_an_optimizer_keeping_averages_cannot_be_sharded():
+    def averaging(schedule, weight_decay):
+        return keras.optimizers.AdamW(schedule, use_ema=True, ema_overwrite_frequency=1)
+
+    with pytest.raises(ValueError, match="use_ema=True, which sharded state does not hold"):
+        run(shard_state="optimizer", optimizer_fn=averaging)
+
+
 @pytest.mark.slow
 def test_a_weight_regularizer_reaches_the_shards(unsharded):
     """The regularizer reads the weight the model computes with: gathered from the shards."""
