@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # TensorFlow loads only once a binary runs: `--help` stays qu
     import keras
 
 cli.define_model_dir_flag("The training run's model directory (required).")
+cli.define_trusted_imports_flag()
 flags.DEFINE_string(
     "export_dir", None, "Where to write the SavedModel; must not exist or be empty (required)."
 )
@@ -181,15 +182,21 @@ def _describe(spec) -> str:
     return f"{spec.dtype.name}[{dims}]"
 
 
-def export_run(model_dir: str, export_dir: str, checkpoint: str | None = None) -> dict:
+def export_run(
+    model_dir: str,
+    export_dir: str,
+    checkpoint: str | None = None,
+    trusted_imports: Sequence[str] = (),
+) -> dict:
     """Exports the model of the run in `model_dir` (from `checkpoint`, a step or a prefix, or
-    the newest) to `export_dir`; returns what `assets.extra/export.json` records."""
+    the newest) to `export_dir`; returns what `assets.extra/export.json` records. The run's
+    config may import `trusted_imports` (`--trusted_imports`)."""
     import gin
 
     from framework import trained_model
 
     check_export_dir(export_dir)  # before the model is built: the cheap error first
-    loaded = trained_model.load(model_dir, checkpoint)
+    loaded = trained_model.load(model_dir, checkpoint, trusted_imports)
     gin.clear_config()  # the run's bindings are not the caller's
     record = {
         "model_dir": model_dir,
@@ -209,7 +216,9 @@ def main(argv: Sequence[str]) -> int:
     import tensorflow as tf
 
     try:
-        record = export_run(FLAGS.model_dir, FLAGS.export_dir, FLAGS.checkpoint)
+        record = export_run(
+            FLAGS.model_dir, FLAGS.export_dir, FLAGS.checkpoint, FLAGS.trusted_imports
+        )
     except (OSError, tf.errors.OpError) as error:
         raise UsageError(
             f"cannot write the export to {FLAGS.export_dir}: {cli.first_line(error)}"

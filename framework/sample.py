@@ -2,7 +2,8 @@
 
 The model is rebuilt the way the run built it, from the run's own `DIR/config.gin`, with the
 weights of the newest checkpoint in `DIR/checkpoints` (`framework.trained_model`, which refuses the
-config's `import` and `include` lines rather than run them). Text is tokenized with the run's
+config's `import` and `include` lines rather than run them, but for imports of the modules given
+to `--trusted_imports`). Text is tokenized with the run's
 vocabulary: `data.TextCorpus.vocab_path` or `data.TfdsText.vocab_path` when the config records
 it, else `DIR/vocab.txt`.
 
@@ -21,6 +22,7 @@ from framework import cli
 from framework.core.errors import UsageError, UserError
 
 cli.define_model_dir_flag("The training run's model directory (required).")
+cli.define_trusted_imports_flag()
 flags.DEFINE_string("prompt", "", "Text to continue; empty starts a new document.")
 flags.DEFINE_float(
     "temperature", 0.8, "Sampling temperature; 0 picks the likeliest token.", lower_bound=0.0
@@ -39,8 +41,9 @@ class SampleError(UserError):
     """The run is not a decoder LM, or has no vocabulary that fits its model."""
 
 
-def load_run(model_dir: str):
-    """(model with the newest checkpoint's weights, vocabulary) of the run in `model_dir`."""
+def load_run(model_dir: str, trusted_imports: Sequence[str] = ()):
+    """(model with the newest checkpoint's weights, vocabulary) of the run in `model_dir`; the
+    run's config may import `trusted_imports`."""
     import gin
     import tensorflow as tf
 
@@ -50,7 +53,7 @@ def load_run(model_dir: str):
     from framework.data.text import vocab as vocab_lib
     from framework.models.language import DecoderLM
 
-    model = trained_model.load(model_dir).model
+    model = trained_model.load(model_dir, trusted_imports=trusted_imports).model
     if not isinstance(model, DecoderLM):
         raise SampleError(
             f"the run in {model_dir} trained a {type(model).__name__}, not a decoder language "
@@ -135,7 +138,7 @@ def main(argv: Sequence[str]) -> int:
     except UnicodeEncodeError:
         raise UsageError("--prompt is not valid UTF-8 text: pass the prompt as UTF-8") from None
     try:
-        model, vocab = load_run(FLAGS.model_dir)
+        model, vocab = load_run(FLAGS.model_dir, FLAGS.trusted_imports)
     except ValueError as error:
         raise UsageError(cli.first_line(error)) from None
     completion = generate(

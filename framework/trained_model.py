@@ -4,7 +4,8 @@
 The model is built the way the run built it, from the run's own `config.gin` (`Trainer.model_fn`),
 bound with this project's registrations only: a gin file is code, and a model directory may come
 from anywhere, so its `import` and `include` lines are refused rather than run
-(`cli.parse_run_config`). What the trainer adds around the model is left out on purpose:
+(`cli.parse_run_config`), but for imports of the modules the user names as trusted. What the
+trainer adds around the model is left out on purpose:
 
 - no remat policy: the trainer attaches it to the model it builds (`Trainer.remat_policy`), and
   it only changes how gradients are computed, which inference never asks for;
@@ -23,6 +24,7 @@ with freshly initialised weights.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
 import gin
 import keras
@@ -50,14 +52,15 @@ class TrainedModel:
         return checkpoints.step_of(self.checkpoint)
 
 
-def read_config(model_dir: str) -> str:
-    """Binds the run's `config.gin` in gin (replacing what gin held); returns its text."""
+def read_config(model_dir: str, trusted_imports: Collection[str] = ()) -> str:
+    """Binds the run's `config.gin` in gin (replacing what gin held), its imports of
+    `trusted_imports` run and every other import refused; returns its text."""
     path = files.join(model_dir, "config.gin")
     if not tf.io.gfile.exists(path):
         raise UsageError(f"{path} not found: is {model_dir!r} the model_dir of a training run?")
     text = files.read_text(path)
     gin.clear_config()
-    cli.parse_run_config(text, path)
+    cli.parse_run_config(text, path, trusted_imports)
     return text
 
 
@@ -101,13 +104,16 @@ def checkpoint_prefix(model_dir: str, checkpoint: str) -> str:
     return checkpoint
 
 
-def load(model_dir: str, checkpoint: str | None = None) -> TrainedModel:
+def load(
+    model_dir: str, checkpoint: str | None = None, trusted_imports: Collection[str] = ()
+) -> TrainedModel:
     """The run's model (see the module docstring) with the weights of `checkpoint` (a step or a
-    prefix, see `checkpoint_prefix`), or of the newest checkpoint that restores when None.
+    prefix, see `checkpoint_prefix`), or of the newest checkpoint that restores when None; the
+    config's imports of `trusted_imports` run (`cli.parse_run_config`).
 
     Leaves the run's config bound in gin, for what else the caller reads of it.
     """
-    config = read_config(model_dir)
+    config = read_config(model_dir, trusted_imports)
     model = build_model()
 
     def restore(prefix: str) -> None:

@@ -30,6 +30,7 @@ from framework.cli.flags import (
     define_budget_flags,
     define_config_flags,
     define_model_dir_flag,
+    define_trusted_imports_flag,
     require_a_number,
     rewrite_gin_shorthand,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "define_budget_flags",
     "define_config_flags",
     "define_model_dir_flag",
+    "define_trusted_imports_flag",
     "first_line",
     "gin_inputs",
     "memory_budget_flag",

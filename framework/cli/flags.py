@@ -71,6 +71,18 @@ def define_model_dir_flag(help_text: str) -> None:
         flags.DEFINE_string("model_dir", None, help_text, module_name=_OWNER)
 
 
+def define_trusted_imports_flag() -> None:
+    """--trusted_imports: what a run's config.gin may import when sample or export read it."""
+    if "trusted_imports" not in FLAGS:
+        flags.DEFINE_list(
+            "trusted_imports",
+            [],
+            "Modules the run's config.gin may import (its `import my_data` lines); a gin file "
+            "is code, so name only modules you trust. Its other import lines are refused.",
+            module_name=_OWNER,
+        )
+
+
 def define_budget_flags(memory_budget_help: str) -> None:
     """--memory_budget, --safety_margin and --policies: what the planner picks against."""
     if "memory_budget" in FLAGS:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import gin
@@ -19,9 +19,6 @@ from gin import config_parser
 
 from framework.cli.runner import first_line
 from framework.core.errors import UsageError
-
-# The statements of a gin file that run code or read files: refused in a run's config.gin.
-RUN_CODE = (config_parser.ImportStatement, config_parser.IncludeStatement)
 
 
 def binding_name(configurable: Callable, parameter: str, module: str | None = None) -> str:
@@ -99,27 +96,45 @@ def _gin_error_message(error: BaseException, bindings: Sequence[str]) -> str:
     )
 
 
-def parse_run_config(text: str, source: str) -> None:
+def parse_run_config(text: str, source: str, trusted_imports: Collection[str] = ()) -> None:
     """Binds the `config.gin` a run recorded, with this project's registrations only.
 
     A gin file is code: an `import` line imports (runs) any module on the path and `include`
     reads another file. A model directory may come from anywhere, so reading a run's config must
     not run either: both are refused before gin sees the text, and a name the project does not
-    register is an error instead of an import.
+    register is an error instead of an import. The user may name modules they trust
+    (`trusted_imports`, `--trusted_imports`): the config's imports of exactly those run.
     """
     try:
-        delegate = gin.config.ParserDelegate(skip_unknown=False)
+        # This pass reads the statements only: the names are checked by gin.parse_config, once
+        # the trusted imports have registered theirs.
+        delegate = gin.config.ParserDelegate(skip_unknown=True)
         for statement in config_parser.ConfigParser(text, delegate):
-            if isinstance(statement, RUN_CODE):
-                where = statement.location
+            if isinstance(statement, config_parser.IncludeStatement):
                 raise UsageError(
-                    f"{source}, line {where.line_num}: {where.line_content.strip()!r}: a run's "
-                    "config is read without running its imports or includes (gin files are "
-                    "code); register what it needs in framework/configurables.py instead"
+                    f"{_where(source, statement)}: a run's config is read without reading its "
+                    f"includes (gin files are code): copy the bindings it needs into {source}"
+                )
+            if (
+                isinstance(statement, config_parser.ImportStatement)
+                and statement.module not in trusted_imports
+            ):
+                raise UsageError(
+                    f"{_where(source, statement)}: a run's config is read without running its "
+                    f"imports (gin files are code): pass --trusted_imports={statement.module} if "
+                    "you trust that module"
                 )
         gin.parse_config(text)
+    except ImportError as error:
+        raise UsageError(f"cannot read {source}: {first_line(error)} (--trusted_imports)") from None
     except (ValueError, SyntaxError, KeyError, TypeError) as error:
         raise UsageError(
             f"cannot read {source}: {first_line(error)} (a run's config may only use the names "
-            "this project registers)"
+            "this project registers and the modules of --trusted_imports)"
         ) from None
+
+
+def _where(source: str, statement) -> str:
+    """`source, line N: 'the line'` for a statement gin parsed."""
+    where = statement.location
+    return f"{source}, line {where.line_num}: {where.line_content.strip()!r}"

@@ -12,6 +12,7 @@ import hashlib
 import json
 import pathlib
 import re
+import sys
 
 import gin
 import keras
@@ -355,6 +356,39 @@ def test_bad_input_is_one_error_and_changes_nothing(case, saved_model, tmp_path)
     with pytest.raises(UserError, match=BAD_INPUT[case]):
         export_with_flags(model_dir, export_dir, *flags)
     assert snapshot(tmp_path) == before
+
+
+USER_MODULE = """
+import gin
+
+
+@gin.configurable(module="my_data")
+def images(scale=1.0):
+    return scale
+"""
+
+
+def test_the_runs_config_imports_only_the_modules_the_user_trusts(
+    saved_model, tmp_path, monkeypatch
+):
+    """A run trained with a module of the user's (`import my_data` in its gin file) exports with
+    `--trusted_imports=my_data`; without it the import is refused, not run, and nothing changes."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "my_data.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path / "lib"))
+    config = tmp_path / "run" / "config.gin"
+    lines = ["import my_data", config.read_text(), "Trainer.dataset_fn = @my_data.images"]
+    config.write_text("\n".join([*lines, "my_data.images.scale = 2.0", ""]))
+    before = snapshot(tmp_path)
+    refused = "line 1: 'import my_data': a run's config is read without running its imports"
+    with pytest.raises(UserError, match=re.escape(refused) + ".*--trusted_imports=my_data"):
+        export_with_flags(tmp_path / "run", tmp_path / "export")
+    assert snapshot(tmp_path) == before and "my_data" not in sys.modules
+    export_with_flags(tmp_path / "run", tmp_path / "export", "--trusted_imports=my_data")
+    assert "my_data" in sys.modules
+    images = tf.random.stateless_uniform([2, 8, 8, 3], seed=[3, 4])
+    served = tf.saved_model.load(str(tmp_path / "export")).signatures["serving_default"]
+    np.testing.assert_allclose(served(images=images)["logits"], saved_model(images), atol=1e-5)
 
 
 def test_a_language_model_serves_documents_and_packed_rows(tmp_path):

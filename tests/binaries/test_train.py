@@ -404,7 +404,10 @@ def test_a_model_dir_whose_entries_a_run_cannot_use_stops_at_once(entry, make, m
     "line, message",
     [
         ("import os", "line 1: 'import os': a run's config is read without running its imports"),
+        ("import os", "(gin files are code): pass --trusted_imports=os if you trust that module"),
+        ("from os import path", "imports (gin files are code): pass --trusted_imports=os.path"),
         ("include 'other.gin'", "line 1: \"include 'other.gin'\": a run's config is read"),
+        ("include 'other.gin'", "without reading its includes (gin files are code): copy the"),
         ("Trainer.model_fn = @mine.model", "No configurable matching reference '@mine.model'"),
     ],
 )
@@ -415,6 +418,12 @@ def test_a_run_config_is_read_with_the_projects_names_only(line, message):
             cli.parse_run_config(f"{line}\nTrainer.train_steps = 4\n", "run/config.gin")
     finally:
         gin.clear_config()
+
+
+def test_a_trusted_import_that_does_not_import_is_one_line():
+    gin.clear_config()
+    with pytest.raises(cli.UsageError, match=r"No module named 'not_mine' \(--trusted_imports\)"):
+        cli.parse_run_config("import not_mine\n", "run/config.gin", ["not_mine"])
 
 
 def test_gin_shorthand_becomes_bindings():
