@@ -101,6 +101,15 @@ def distribute(
     return strategy.distribute_datasets_from_function(pipeline)
 
 
+def features_spec(dataset_fn: DatasetFn, global_batch_size: int):
+    """The spec of the features (the first of each element) of `dataset_fn`'s eval split, as one
+    pipeline reads it: what a model that builds on its first call is built for."""
+    dataset = dataset_fn(
+        "eval", tf.distribute.InputContext(), global_batch_size=global_batch_size, start_step=0
+    )
+    return dataset.element_spec[0]
+
+
 def takes_stream_positions(dataset_fn: DatasetFn) -> bool:
     """Whether `dataset_fn` records and seeks stream positions (a `stream_positions` argument)."""
     try:

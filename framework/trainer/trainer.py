@@ -70,6 +70,8 @@ class Trainer:
         with self.strategy.scope():
             with self._weights_placement():
                 self.model = s.model_fn()
+                if not self.model.built:
+                    _build(self.model, sharding.features_spec(s.dataset_fn, s.global_batch_size))
             _check_float32_weights(self.model)
             if s.remat_policy is not None:
                 # A memory budget prices kept masks as this device's compiler stores them.
@@ -347,6 +349,24 @@ class Trainer:
         return self.run_state.save() if self.run_state else None
 
 
+def _build(model: keras.Model, features: tf.TensorSpec) -> None:
+    """Builds a model that has no weights yet (a `keras.Sequential` without an `Input`, a
+    subclassed model before its first call) as Keras' `fit` does, by calling it once, here on
+    zeros shaped as one example of the data, in inference mode (no statistics or random state
+    move). Remat, sharded state and checkpoints need the weights before the first step."""
+
+    def one_example(spec: tf.TensorSpec) -> tf.Tensor:
+        if not spec.shape[1:].is_fully_defined():
+            raise TrainerError(
+                f"cannot build the model {model.name!r} on the data's features of shape "
+                f"{spec.shape}: give it its input shape (keras.Input first in a Sequential, or "
+                "model.build in Trainer.model_fn)"
+            )
+        return tf.zeros([1, *spec.shape[1:]], spec.dtype)
+
+    model(tf.nest.map_structure(one_example, features), training=False)
+
+
 def _check_float32_weights(model: keras.Model) -> None:
     """Raises ValueError for weights in another type than float32: the step sums, clips and
     all-reduces gradients in float32, and a bfloat16 weight would lose small updates."""
@@ -369,13 +389,6 @@ class _LoopView(actions_lib.Loop):
         self._trainer = trainer
         self.rolled_back = False
         self.stopped: str | None = None
-
-    def _weights_placement(self):
-        """Where the model's trainable weights are made: at the "weights" shard level one copy
-        on the host (each replica's device holds shards only), else the strategy's way."""
-        if self.settings.shard_state != "weights":
-            return contextlib.nullcontext()
-        return tf_internals.trainable_variables_on(shard.host_of(self.strategy))
 
     @property
     def step(self) -> int:

@@ -2,6 +2,7 @@ import functools
 import os
 import shutil
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -394,3 +395,41 @@ def test_mfu_never_exceeds_one_when_the_peak_was_read_low(tmp_path, caplog):
     assert metrics["mfu"] <= 1.0
     assert "above the peak of 1e-09 TFLOP/s taken at start" in caplog.text
     assert trainer.flops[1] > 1e3 * low * 1e12
+
+
+class TwoDense(keras.Model):
+    """A subclassed model: no weights until its first call."""
+
+    def __init__(self):
+        super().__init__()
+        self.flatten = keras.layers.Flatten()
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.logits = keras.layers.Dense(4)
+
+    def call(self, images):
+        return self.logits(self.hidden(self.flatten(images)))
+
+
+def two_dense(given_input: bool) -> keras.Sequential:
+    layers = [keras.layers.Flatten(), keras.layers.Dense(16, "relu"), keras.layers.Dense(4)]
+    return keras.Sequential([keras.Input((8, 8, 3)), *layers] if given_input else layers)
+
+
+def test_a_model_without_weights_is_built_on_the_datas_features_as_keras_fit_builds_it():
+    """A `keras.Sequential` without an `Input` and a subclassed model have no weights until
+    their first call: the trainer builds them on one example of the data, and they train to
+    the weights of the same model given its input shape (same seed: bit for bit)."""
+    weights = {}
+    for name, model_fn in {
+        "given its input": functools.partial(two_dense, True),
+        "sequential": functools.partial(two_dense, False),
+        "subclassed": TwoDense,
+    }.items():
+        run = Trainer(None, **{**tiny.TRAINER_ARGS, "model_fn": model_fn, "train_steps": 4})
+        assert run.model.built and run.step == 0
+        run.train()
+        weights[name] = [v.numpy() for v in run.model.trainable_variables]
+    for name in ("sequential", "subclassed"):
+        assert len(weights[name]) == 4
+        for got, want in zip(weights[name], weights["given its input"]):
+            np.testing.assert_array_equal(got, want)
