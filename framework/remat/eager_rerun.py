@@ -41,6 +41,10 @@ from framework.remat.effects import (
 
 # Writes that do not read the value first: before them, the region needs no snapshot.
 _PLAIN_WRITES = frozenset({"AssignVariableOp", "AssignVariableXlaConcatND"})
+# When Python frees a summary writer or a queue (a trainer of an earlier run, say, collected by the
+# garbage collector), TensorFlow destroys its resource with this op, run eagerly among the ops of
+# whatever region is running: in one pass and not the other, and none of the region's work.
+_DESTROY_OP = "DestroyResourceOp"
 _DIFFERENT_OPS = (
     "The region must run the same ops on every call (no Python state that changes between the "
     "forward pass and the recomputation). A gradient tape inside the region records nothing in "
@@ -189,6 +193,8 @@ def _stack() -> list[_Pass]:
 def _on_op(op_type, inputs, attrs, outputs, op_name=None, graph=None):
     stack = _stack()
     if graph is not None or not stack:  # a function being traced: its call op is what runs
+        return None
+    if op_type == _DESTROY_OP:
         return None
     outputs = outputs or ()
     made = [tf_internals.tensor_id(t) for t in outputs]

@@ -180,6 +180,29 @@ def test_changing_python_state_is_a_mismatch_error():
         gradients(layer, rand(3, 4))
 
 
+def test_a_resource_freed_during_one_pass_is_no_mismatch(tmp_path):
+    """Python frees a summary writer (an earlier trainer's, collected by the garbage collector)
+    whenever its last reference goes, and TensorFlow destroys its resource right then, among the
+    ops of the region that happens to be running: here in its forward pass only."""
+    garbage = []
+
+    def frees_in_the_forward_pass(self, x):
+        h = tf.sin(self.dense(x))
+        garbage.clear()  # the writer's last reference
+        return self.drop(h, training=True) * 2.0
+
+    layer = built(frees_in_the_forward_pass)
+    x = rand(3, 4)
+
+    def run():
+        garbage.append(tf.summary.create_file_writer(str(tmp_path)))
+        return gradients(layer, x)
+
+    want, got = both(layer, run)
+    assert_close(got, want)
+    assert layer.calls == [True, True]  # the forward pass and the recomputation, both eager
+
+
 def test_stateful_random_op_is_an_error():
     layer = built(lambda self, x: x * tf.random.uniform(tf.shape(x)))
     remat.checkpoint(layer)
