@@ -385,19 +385,20 @@ def test_long_sequences_times_the_settings_quick(tmp_path):
 
 
 def test_gpu_plans_quick(tmp_path):
+    """One card (a plan for another is tests/planner/test_gpu_plan.py's): its plan, its plan
+    with micro-batches, and XLA:GPU's own rematerialization under a limit."""
     out = tmp_path / "gpu_plans.md"
     run_benchmark(
         "gpu_plans.py",
         "--quick",
-        "--cards=p100,a100-40gb",
+        "--cards=p100",
         "--microbatches=2",
         "--fractions=0.5",
         f"--out={out}",
         timeout=600,
     )
     report = out.read_text()
-    for card in ("p100 sm_60", "a100-40gb sm_80"):
-        assert f"planned by XLA:GPU {card}" in report, report
-    assert report.count("pick: remat policy none at batch size 64") == 3, report
+    assert "planned by XLA:GPU p100 sm_60" in report, report
+    assert report.count("pick: remat policy none at batch size 64") == 2, report
     rows = _table_cells(report, 5)[2:]  # under the header and its rule
     assert [r[0] for r in rows] == ["unlimited", "its own", "0.5 of it"], report

@@ -3,9 +3,9 @@ checkpoints restore into other replica counts.
 
 Each process trains the tiny ViT and a tiny decoder LM (dropout on, remat, micro-batches,
 gradient clipping) sharded and unsharded on N logical CPUs (one process per N: the runs share
-its strategy): every level on 2 replicas, "weights" (both models) and "gradients" (the decoder)
-on 4, "weights" on 8 (the ViT, without remat and micro-batches: each replica traces and
-compiles its own step, a minute per run on 2 cores). Tolerance: the clipping norm is summed in
+its strategy): every level on 2 replicas, "gradients" and "weights" on 4 (the decoder),
+"weights" on 8 (the ViT, without remat and micro-batches: each replica traces and compiles its
+own step, a minute per run on 2 cores). Tolerance: the clipping norm is summed in
 another order (per part, then over replicas, instead of per weight), so a clipped step can
 differ in float32's last bits; after 4 steps every value of the model and the optimizer (about
 1 in magnitude) stays within 1e-5 of the unsharded run's. Without clipping the runs are bit
@@ -107,11 +107,11 @@ def test_two_replicas_train_every_level_as_the_unsharded_run(tmp_path):
 def test_four_replicas_train_as_the_unsharded_run_and_their_checkpoints_restore_into_two(
     tmp_path,
 ):
-    result = levels(4, {"vit": ["weights"], "decoder": ["gradients", "weights"]}, tmp_path)
-    assert len(result) == 3 and max(result.values()) < 1e-5, result
+    result = levels(4, {"decoder": ["gradients", "weights"]}, tmp_path)
+    assert len(result) == 2 and max(result.values()) < 1e-5, result
     # The 4-replica checkpoints, into 2 replicas: unsharded, and at other levels.
     cases = [
-        ("vit-weights", "none"),
+        ("decoder-weights", "none"),
         ("decoder-weights", "optimizer"),
         ("decoder-gradients", "weights"),
     ]
