@@ -154,3 +154,39 @@ def test_a_keras_optimizer_trains_as_the_trainers_own_on_two_replicas():
     different replicas' parts)."""
     result = run_python(KERAS_OPTIMIZER_SCRIPT.format(), timeout=600)
     assert result == {"none": 0.0, "weights": 0.0}, result
+
+
+UNBUILT_SCRIPT = """
+    import json
+    import keras
+    import numpy as np
+    from framework.runtime import Runtime, distribute
+    from framework.trainer import Trainer
+    from tests import tiny
+    distribute.split_cpu(2)
+    RUNTIME = Runtime("mirrored", cpu_devices=2)
+
+    def sequential(given_input):
+        layers = [keras.layers.Flatten(), keras.layers.Dense(16, "relu"), keras.layers.Dense(4)]
+        return keras.Sequential([keras.Input((8, 8, 3)), *layers] if given_input else layers)
+
+    states = {}
+    for level, given_input in (("none", True), ("weights", False)):
+        run = Trainer(None, **{**tiny.TRAINER_ARGS, "train_steps": 4, "runtime": RUNTIME,
+                               "model_fn": lambda: sequential(given_input), "shard_state": level})
+        run.train()
+        whole = run.sharded.checkpoint_replacements() if run.sharded else {}
+        states[level] = [np.asarray(whole[id(v)].read() if id(v) in whole else v.numpy())
+                         for v in run.model.trainable_variables]
+    pairs = list(zip(states["none"], states["weights"]))
+    print(json.dumps({"weights": len(pairs),
+                      "difference": max(float(np.max(np.abs(a - b))) for a, b in pairs)}))
+"""
+
+
+def test_a_model_without_weights_is_built_where_sharded_weights_live():
+    """A `keras.Sequential` without an `Input`, built by the trainer on the data's features,
+    sharded at "weights" on 2 replicas (its weights made on the host), trains as the same model
+    given its input shape, unsharded (clipped by the norm: the module docstring's tolerance)."""
+    result = run_python(UNBUILT_SCRIPT, timeout=600)
+    assert result["weights"] == 4 and result["difference"] < 1e-5, result
