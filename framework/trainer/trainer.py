@@ -349,11 +349,12 @@ class Trainer:
         return self.run_state.save() if self.run_state else None
 
 
-def _build(model: keras.Model, features: tf.TensorSpec) -> None:
+def _build(model: keras.Model, features) -> None:
     """Builds a model that has no weights yet (a `keras.Sequential` without an `Input`, a
     subclassed model before its first call) as Keras' `fit` does, by calling it once, here on
     zeros shaped as one example of the data, in inference mode (no statistics or random state
-    move). Remat, sharded state and checkpoints need the weights before the first step."""
+    move). `features`: the data's feature specs (a nest of `tf.TensorSpec`). Remat, sharded state
+    and checkpoints need the weights before the first step."""
 
     def one_example(spec: tf.TensorSpec) -> tf.Tensor:
         if not spec.shape[1:].is_fully_defined():
