@@ -1,7 +1,7 @@
 """One writer per model_dir, through the binary: two runs started together, exactly one trains.
 
 (A killed holder's lock taken over by the restart is checked by the fault-injection benchmark's
-smoke test in test_benchmarks.py, which kills and restarts the binary.)
+smoke test in tests/benchmarks/test_run_benchmarks.py, which kills and restarts the binary.)
 """
 
 import re
