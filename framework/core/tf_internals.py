@@ -30,6 +30,7 @@ from tensorflow.compiler.xla import xla_data_pb2 as xla_data_pb2
 from tensorflow.compiler.xla.service import hlo_pb2 as hlo_pb2
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.protobuf import trackable_object_graph_pb2 as trackable_object_graph_pb2
+from tensorflow.python.autograph.core import ag_ctx
 from tensorflow.python.eager import context, forwardprop_util, record
 from tensorflow.python.framework import op_callbacks
 from tensorflow.python.ops import control_flow_v2_func_graphs, gradients_util, resource_variable_ops
@@ -359,6 +360,18 @@ def autograph_like_caller(function: Callable) -> Callable:
     """
     status = tf.__internal__.autograph.control_status_ctx()
     return tf.__internal__.autograph.tf_convert(function, status)
+
+
+def converted_by_autograph(function: Callable) -> Callable:
+    """`function` as AutoGraph converts what a `tf.function` calls (Python `if` and `for` on
+    tensors become graph control flow), wherever it is called from.
+
+    For a user's function that library code calls from code it keeps unconverted: AutoGraph
+    transpiles each function a converted one calls, seconds of a step's trace in the trainer's
+    own code, which needs none of it.
+    """
+    enabled = ag_ctx.ControlStatusCtx(status=ag_ctx.Status.ENABLED)
+    return tf.__internal__.autograph.tf_convert(function, enabled)
 
 
 def update_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
+from framework.core import tf_internals
 from framework.core.errors import TrainerError
 from framework.shard.state import ShardedState, WeightReads, reads_redirected
 from framework.trainer.losses import LossFn, cross_entropy, label_classes
@@ -178,6 +179,8 @@ def compiled_gradients(
     a program of all replicas (see `ShardedState.weight_reads`).
     """
 
+    loss_fn = _converted_unless_ours(loss_fn)
+
     def forward_backward(batch, *gathered):
         if traces is not None:
             traces["train_step"] += 1
@@ -186,7 +189,19 @@ def compiled_gradients(
             reads = sharded.weight_reads(gathered[0] if gathered else None, in_program)
         return gradients(model, batch, loss_fn, microbatches, reads)
 
-    return tf.function(forward_backward, jit_compile=True)
+    return tf.function(forward_backward, jit_compile=True, autograph=False)
+
+
+def _converted_unless_ours(loss_fn: LossFn) -> LossFn:
+    """The library's losses traced as written; a user's converted by AutoGraph as a
+    `tf.function` converts what it calls (a Python `if` on a tensor in it keeps working).
+
+    The step's own functions are traced without AutoGraph: transpiling them cost more than a
+    second of each run's first trace, for code that has no Python control flow on tensors.
+    """
+    if getattr(loss_fn, "__module__", "").startswith("framework."):
+        return loss_fn
+    return tf_internals.converted_by_autograph(loss_fn)
 
 
 def gathers_between_programs(sharded: ShardedState | None, in_program: bool) -> bool:
@@ -230,6 +245,7 @@ def make_train_loop(
     named by `TRAIN_SUMS` over them. With `sharded` state, its update is the state's."""
     in_program = runs_as_one_program(strategy)
 
+    @tf.autograph.experimental.do_not_convert
     def replica_step(batch):
         # Created here, inside the replica function, so each replica traces its own program.
         forward_backward = compiled_gradients(
@@ -280,6 +296,7 @@ def make_eval_loop(
 ) -> Callable[[object], tf.Tensor]:
     """A `tf.function(dataset)` that returns the sums named by `EVAL_SUMS` over the dataset."""
     in_program = runs_as_one_program(strategy)
+    loss_fn = _converted_unless_ours(loss_fn)
 
     def evaluate(batch, *gathered):
         reads = WeightReads.unchanged(model)
@@ -288,8 +305,10 @@ def make_eval_loop(
         with reads_redirected(reads):
             return batch_sums(model, batch, loss_fn, training=False)
 
+    @tf.autograph.experimental.do_not_convert
     def replica_step(batch):
-        return tf.function(evaluate, jit_compile=True)(*_step_args(batch, sharded, in_program))
+        step = tf.function(evaluate, jit_compile=True, autograph=False)
+        return step(*_step_args(batch, sharded, in_program))
 
     def eval_loop(dataset):
         totals = tf.zeros([len(EVAL_SUMS)])

@@ -196,6 +196,29 @@ def test_default_optimizer_and_loss_take_their_gin_bindings(gin_config):
     assert trainer.train()["loss"] > 0
 
 
+def capped_loss(logits, labels):
+    """A user's loss written with Python control flow on a tensor, as a `tf.function` allows."""
+    per_label = losses.cross_entropy(logits, labels)
+    if tf.reduce_max(per_label) > 1e6:
+        per_label = tf.minimum(per_label, 1e6)
+    return per_label
+
+
+def test_a_users_loss_with_an_if_on_a_tensor_trains_and_evaluates():
+    """The step's own code is traced without AutoGraph; a user's loss is still converted (its
+    `if` becomes a `tf.cond`), in the train and the eval step: the library's run, to float32's
+    rounding (with the `tf.cond` in it, XLA sums the loss in another order)."""
+    runs = []
+    for loss_fn in (losses.cross_entropy, capped_loss):
+        trainer = Trainer(None, **{**tiny.TRAINER_ARGS, "train_steps": 2, "loss_fn": loss_fn})
+        metrics = trainer.train()
+        runs.append((metrics["loss"], trainer.evaluate()["loss"], trainer.model.get_weights()))
+    (loss, eval_loss, weights), (capped, capped_eval, capped_weights) = runs
+    np.testing.assert_allclose([capped, capped_eval], [loss, eval_loss], rtol=1e-6)
+    for a, b in zip(weights, capped_weights, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_adafactor_trains():
     trainer = Trainer(None, **{**tiny.TRAINER_ARGS, "train_steps": 3}, optimizer_fn=optim.adafactor)
