@@ -1,5 +1,6 @@
-"""Smoke tests of the remat benchmarks on XLA:CPU (`remat_policies.py`, `remat_user_models.py`,
-`profile_step.py`, `peak_buffers.py`) and of their peers (`jax_vit_memory.py`, `parity_timm.py`)."""
+"""Smoke tests of the remat benchmarks (`remat_policies.py`, on XLA:CPU and planned for a TPU,
+`remat_user_models.py`, `profile_step.py`, `peak_buffers.py`) and of their peers
+(`jax_vit_memory.py`, `parity_timm.py`)."""
 
 import importlib.util
 import re
@@ -34,6 +35,31 @@ def test_remat_policies_quick(tmp_path):
     assert 0 < float(full[3]) < 1, full
     assert float(full[7]) > 0, full
     assert float(full[8]) < 1e-5, full
+
+
+def test_remat_policies_compiled_for_a_tpu_quick(tmp_path):
+    out = tmp_path / "remat_policies_tpu.md"
+    run_benchmark(
+        "remat_policies.py",
+        "--quick",
+        "--models=stack,decoder_lm",
+        "--settings=none,nothing_saveable",
+        "--target=v5e",
+        "--compile_only",
+        f"--out={out}",
+    )
+    report = out.read_text()
+    assert "| XLA:CPU temp MiB | ratio | TPU v5e (libtpu 0.0.42" in report, report
+    for model in ("stack", "decoder_lm"):
+        rows = table_rows(report, model)
+        assert set(rows) == {"no remat", "`nothing_saveable`"}, report
+        # Columns: model, setting, XLA:CPU temp MiB, ratio, TPU temp MiB, ratio (a tiny step's
+        # scratch fits on chip: 0 MiB in HBM, no ratio), matmul FLOPs / no remat.
+        base, full = rows["no remat"], rows["`nothing_saveable`"]
+        assert base[3] == "1.00" and float(full[3]) < 1, report
+        assert float(base[4]) >= 0 and float(full[4]) >= 0, report
+        assert base[6] == "1.000" and float(full[6]) > 1, report  # the recomputed products
+    assert "step s" not in report  # nothing ran
 
 
 def test_peak_buffers_names_what_the_plan_holds():
