@@ -118,6 +118,9 @@ def measure(args: argparse.Namespace) -> tuple[list[dict], str]:
         runtime = Runtime("mirrored", cpu_devices=args.replicas)
         trainers[level] = Trainer(None, runtime=runtime, shard_state=level, **settings)
         iterators[level] = trainers[level].train_iterator()
+    # Warmed up once all are built: building a trainer seeds TensorFlow, which clears its kernel
+    # caches, and the trainers built before would compile their loops again in the first round.
+    for level in LEVELS:
         trainers[level].run_steps(iterators[level], args.steps)  # trace, compile, warm up
     seconds: dict[str, list[float]] = {level: [] for level in LEVELS}
     for _ in range(1 if args.quick else args.rounds):
