@@ -205,12 +205,28 @@ def capped_loss(logits, labels):
 
 
 def test_a_users_loss_with_an_if_on_a_tensor_trains_and_evaluates():
-    """The step's own code is traced without AutoGraph; a user's loss is still converted (its
-    `if` becomes a `tf.cond`) in the train and the eval step. Unconverted, the first trace
-    raises OperatorNotAllowedInGraphError."""
-    trainer = Trainer(None, **{**tiny.TRAINER_ARGS, "train_steps": 1, "loss_fn": capped_loss})
+    """The step's own code is traced without AutoGraph (the model is called from unconverted
+    code: ENABLED there before); a user's loss is still converted (its `if` becomes a `tf.cond`)
+    in the train and the eval step. Unconverted, the first trace raises
+    OperatorNotAllowedInGraphError."""
+    statuses = []
+
+    class AutoGraphStatus(keras.layers.Layer):
+        """Records whether AutoGraph converts the code that calls the model (the step's)."""
+
+        def call(self, x):
+            statuses.append(tf.__internal__.autograph.control_status_ctx().status.name)
+            return x
+
+    def model_fn():
+        return keras.Sequential([AutoGraphStatus(), tiny.model_fn()])
+
+    args = {**tiny.TRAINER_ARGS, "model_fn": model_fn, "train_steps": 1, "loss_fn": capped_loss}
+    trainer = Trainer(None, **args)
     losses_seen = [trainer.train()["loss"], trainer.evaluate()["loss"]]
     assert all(np.isfinite(loss) and loss > 0 for loss in losses_seen), losses_seen
+    # The train and the eval step traced (after the build's eager call), neither converted.
+    assert len(statuses) >= 3 and "ENABLED" not in statuses, statuses
 
 
 @pytest.mark.slow
