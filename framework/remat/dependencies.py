@@ -20,16 +20,25 @@ def differentiable(t: Any) -> bool:
 
 def dependency(tensors: list, every: bool = False) -> tf.Tensor:
     """A float32 zero that cannot be computed before `tensors` exist (NaN-safe, reads 1 element
-    of each of the first two floating-point tensors, or of `every` one)."""
-    zero = tf.constant(0.0)
-    used = 0
-    for t in tensors:
-        if differentiable(t) and (every or used < 2):
-            elem = tf.reduce_max(tf.math.real(tf.reshape(t, [-1])[:1]))
-            elem_bool = tf.cast(elem, tf.bool)
-            zero = zero + tf.where(tf.equal(elem_bool, elem_bool), 0.0, float("nan"))
-            used += 1
-    return zero
+    of each of the first two floating-point tensors, or of `every` one).
+
+    The elements are gathered into one vector before a single test, so a recomputation that ties
+    its gradients to each of its hundreds of variable reads adds two ops per read to the graph
+    and one small fusion to XLA's program, not a fusion per read (ResNet50's first step under XLA
+    compiled 3 s faster that way)."""
+    chosen = [t for t in tensors if differentiable(t)]
+    chosen = chosen if every else chosen[:2]
+    if not chosen:
+        return tf.constant(0.0)
+    flat, begin, size = tf.constant([-1]), tf.constant([0]), tf.constant([1])
+    firsts = [
+        tf.cast(tf.math.real(tf.slice(tf.reshape(t, flat), begin, size)), tf.float32)
+        for t in chosen
+    ]
+    # No gradient flows through a zero (nor, under XLA, through `Slice`'s gradient op).
+    elem = tf.reduce_max(tf.stop_gradient(tf.concat(firsts, 0) if len(firsts) > 1 else firsts[0]))
+    elem_bool = tf.cast(elem, tf.bool)
+    return tf.where(tf.equal(elem_bool, elem_bool), 0.0, float("nan"))
 
 
 def with_dep(t: tf.Tensor, dep: tf.Tensor) -> tf.Tensor:
