@@ -787,6 +787,20 @@ def test_user_custom_gradient_inside_a_region(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("batch", [0, 2])
+def test_an_empty_batch_and_a_variable_without_elements(mode, batch):
+    """The data edges that order a recomputation read one element of each input and variable
+    it ties: an empty batch and a variable of shape [0, 3] have none, and give the plain
+    gradients all the same."""
+    v, empty = tf.Variable(rand(3, 3)), tf.Variable(tf.zeros([0, 3]))
+
+    def make(wrap):
+        return lambda x: wrap(lambda x: tf.reduce_sum(tf.sin(x @ v)) + tf.reduce_sum(empty))(x)
+
+    check(mode, "nothing_saveable", make, [rand(batch, 3)])
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_python_values_in_and_out(mode):
     region = remat.checkpoint(lambda a, b: a * b + 1)
     assert region(2.0, 3) == 7.0
