@@ -27,7 +27,7 @@ from framework.remat.keras_model import (
 )
 from framework.remat.names import checkpoint_name, without_checkpoint_names
 from framework.remat.op_callbacks import tied_to_pass
-from framework.remat.policies import OpInfo, get_policy, policy_names
+from framework.remat.policies import OpInfo, UnmatchedNameWarning, get_policy, policy_names
 from framework.remat.residuals import Residual, print_saved_residuals, saved_residuals
 from framework.remat.scan import scan
 from framework.remat.summary import RematSummary, summary
@@ -39,6 +39,7 @@ __all__ = [
     "RematSummary",
     "RematSavesNothingWarning",
     "Residual",
+    "UnmatchedNameWarning",
     "UnreplayableRandomOpError",
     "checkpoint",
     "checkpoint_name",

@@ -30,6 +30,7 @@ __all__ = [
     "MemoryBudget",
     "OpInfo",
     "Policy",
+    "UnmatchedNameWarning",
     "dots_saveable",
     "dots_with_no_batch_dims_saveable",
     "everything_saveable",
@@ -42,10 +43,21 @@ __all__ = [
     "policy_names",
     "random_masks_saveable",
     "recompute_flops",
+    "policy_tag_names",
     "save_any_names_but_these",
     "save_from_both_policies",
     "save_only_these_names",
 ]
+
+
+class UnmatchedNameWarning(UserWarning):
+    """A name-based policy names a tag that no `checkpoint_name` at a region's top level gives:
+    a misspelt name would otherwise keep (or exclude) nothing, silently."""
+
+
+def policy_tag_names(policy: Policy) -> frozenset[str]:
+    """The `checkpoint_name` tags a name-based policy selects or excludes (none for others)."""
+    return getattr(policy, "tag_names", frozenset())
 
 
 def everything_saveable(op: OpInfo) -> bool:
@@ -93,6 +105,7 @@ def save_from_both_policies(first: Policy, second: Policy) -> Policy:
         return first(op) or second(op)
 
     policy.__name__ = f"{policy_name(first)}+{policy_name(second)}"
+    policy.tag_names = policy_tag_names(first) | policy_tag_names(second)
     return policy
 
 
@@ -134,6 +147,7 @@ def save_only_these_names(*names: str) -> Policy:
         return op.name is not None and op.name in wanted
 
     policy.__name__ = f"save_only_these_names{tuple(sorted(wanted))}"
+    policy.tag_names = wanted
     return policy
 
 
@@ -145,6 +159,7 @@ def save_any_names_but_these(*names: str) -> Policy:
         return op.name is not None and op.name not in excluded
 
     policy.__name__ = f"save_any_names_but_these{tuple(sorted(excluded))}"
+    policy.tag_names = excluded
     return policy
 
 

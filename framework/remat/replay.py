@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import difflib
 import enum
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -42,7 +43,7 @@ from framework.remat.costs import RANDOM_FLOPS_PER_VALUE
 from framework.remat.dependencies import in_graph, with_dep
 from framework.remat.gradient_reads import gradient_reads
 from framework.remat.op_info import OpInfo, Policy
-from framework.remat.policies import policy_name
+from framework.remat.policies import UnmatchedNameWarning, policy_name, policy_tag_names
 from framework.remat.random_values import RandomValues, is_random_op, tie_seeds
 from framework.remat.state_order import StateOrder
 
@@ -183,6 +184,7 @@ class Region:
         its pass is recorded: a policy deciding per region, as `MemoryBudget`, decides here).
         `pricing`: the candidates' ops at static shapes, for such a policy when the pass left
         some unknown (`backward.trace_forward`)."""
+        self._warn_of_unmatched_names()
         select = getattr(self.policy, "select", None)
         if select is not None:
             candidates = [e for e in self.entries if e.candidate is not None]
@@ -196,6 +198,19 @@ class Region:
                 entry.origin += f", kept by {name}: {flops_per_byte:.3g} FLOPs/byte"
                 entry.saved = as_kept(entry.candidate)
         return [t for e in self.entries if e.saved is not None for t in e.saved]
+
+    def _warn_of_unmatched_names(self) -> None:
+        tags = {e.info.name for e in self.entries if e.info.name}
+        missing = policy_tag_names(self.policy) - tags
+        if missing:
+            warnings.warn(
+                f"remat region {self.label!r}: {policy_name(self.policy)} names "
+                f"{sorted(missing)}, which no checkpoint_name at the region's top level gives "
+                f"(it tags {sorted(tags) or 'nothing'}), so the policy keeps or excludes nothing "
+                "by that name here: check the spelling, or give this region a policy of its own.",
+                UnmatchedNameWarning,
+                stacklevel=2,
+            )
 
     def keep(self, values: list[tf.Tensor]) -> None:
         """Binds the forward call's outputs for `saved()` back to their ops (in the caller's

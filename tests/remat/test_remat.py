@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 from collections.abc import Callable
 
 import keras
@@ -464,6 +465,34 @@ def test_saved_residuals_reports_what_the_policy_keeps(capsys):
     printed = capsys.readouterr().out
     assert "total:" in printed and "bytes" in printed
     remat.checkpoint(blk, None)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        policies.save_only_these_names("attn_out", "atn_out"),
+        policies.save_any_names_but_these("atn_out"),
+        policies.save_from_both_policies(
+            policies.dots_saveable, policies.save_only_these_names("atn_out")
+        ),
+    ],
+)
+def test_a_policy_name_no_tag_gives_warns_and_one_that_all_give_does_not(policy):
+    blocks, x = make_stack(n=1)
+    blk = remat.checkpoint(blocks[0], policy)
+
+    def loss(x):
+        return tf.reduce_sum(blk(x, training=True) ** 2)
+
+    with pytest.warns(
+        remat.UnmatchedNameWarning, match=r"\['atn_out'\].*tags \['attn_out', 'mlp_hidden'\]"
+    ):
+        remat.saved_residuals(loss, x)
+    remat.checkpoint(blk, policies.save_only_these_names("attn_out"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", remat.UnmatchedNameWarning)
+        rows = remat.saved_residuals(loss, x)
+    assert any("checkpoint_name 'attn_out'" in r.origin for r in rows)
 
 
 def _functional(n_blocks=2):
