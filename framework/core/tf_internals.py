@@ -30,7 +30,9 @@ from tensorflow.compiler.xla import xla_data_pb2 as xla_data_pb2
 from tensorflow.compiler.xla.service import hlo_pb2 as hlo_pb2
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.protobuf import trackable_object_graph_pb2 as trackable_object_graph_pb2
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.autograph.core import ag_ctx
+from tensorflow.python.autograph.impl import api as autograph_api
 from tensorflow.python.eager import context, forwardprop_util, record
 from tensorflow.python.framework import op_callbacks
 from tensorflow.python.ops import control_flow_v2_func_graphs, gradients_util, resource_variable_ops
@@ -103,6 +105,24 @@ def mark_read(variable: tf.Variable) -> None:
     """Tells tapes that watch the variables a step reads that it read `variable` (as a read op
     would, when the read itself ran with the tapes paused)."""
     resource_variable_ops.variable_accessed(variable)
+
+
+def untrainable_variables_watched(variables: list[tf.Variable]) -> list[tf.Variable]:
+    """The floating-point non-trainable `variables` that a gradient tape of this thread watches
+    (`tape.watch(variable)`: tapes, and `tf.custom_gradient`, find the trainable ones a step
+    reads by themselves, never these)."""
+    return [
+        v
+        for v in variables
+        if not v.trainable and v.dtype.is_floating and record.should_record_backprop([v.handle])
+    ]
+
+
+def mark_read_for_custom_gradient(variable: tf.Variable) -> None:
+    """Tells the enclosing `tf.custom_gradient` that its function read `variable`, trainable or
+    not, so that its gradient function is asked for the variable's gradient; tapes themselves
+    are not told (they watch what they were told to)."""
+    pywrap_tfe.TFE_Py_VariableWatcherVariableAccessed(variable)
 
 
 @contextlib.contextmanager
@@ -352,11 +372,21 @@ def keras_reads_redirected(value_of: Callable):
         yield
 
 
-def autograph_like_caller(function: Callable) -> Callable:
-    """`function`, converted by AutoGraph if the code calling us is (as inside a `tf.function`).
+def called_as_is_by_autograph(cls: type) -> type:
+    """Marks `cls`'s instances so that AutoGraph calls them unconverted, in the caller's AutoGraph
+    status: code converted by a `tf.function` that calls one does not transpile the library's own
+    code, and `autograph_like_caller` inside it still sees whether the caller converts. (Public
+    `tf.autograph.experimental.do_not_convert` would switch AutoGraph off for everything the
+    call runs, the user's code included.)"""
+    return autograph_api.autograph_artifact(cls)
 
-    Library code that calls user code is marked `do_not_convert`; this gives the user's code the
-    treatment it would get if called directly.
+
+def autograph_like_caller(function: Callable) -> Callable:
+    """`function`, converted by AutoGraph when the code calling us is (a `tf.function`'s with
+    AutoGraph on, and eager code: AutoGraph's status is unset there and `tf.function` converts).
+
+    For library code that calls a user's function where the caller would have called it directly
+    (see `called_as_is_by_autograph`): the function gets the treatment it would get then.
     """
     status = tf.__internal__.autograph.control_status_ctx()
     return tf.__internal__.autograph.tf_convert(function, status)

@@ -59,6 +59,7 @@ def remat_is_on(policy: Policy) -> bool:
     return policy is not everything_saveable and not _plain.value
 
 
+@tf_internals.called_as_is_by_autograph
 class Checkpointed:
     """A callable running `fn` as a checkpointed region with `policy`; same signature as `fn`.
 
@@ -89,7 +90,6 @@ class Checkpointed:
         # (a new function per call would also keep its kernels' constants alive for good).
         self._eager: dict = {}
 
-    @tf.autograph.experimental.do_not_convert
     def __call__(self, *args, **kwargs):
         if tf_internals.executing_eagerly():
             with eager_rerun.nested_region():
@@ -103,7 +103,9 @@ class Checkpointed:
             return self.fn(*args, **kwargs)
         # Composite arguments (ragged, sparse) stay whole: the traced region captures them.
         arguments = CallStructure((args, kwargs), expand_composites=False)
-        fn = tf_internals.autograph_like_caller(self.fn)
+        # A function is converted by AutoGraph as a direct call from the caller would convert
+        # it; a layer's `call` never is (Keras 3 calls it as it is).
+        fn = self.fn if self._layers is not None else tf_internals.autograph_like_caller(self.fn)
         # What the enclosing Keras layer call hands down (`training`, autocast): the
         # recomputation runs in it again, whether or not the code passes `training` on.
         state = tf_internals.keras_call_state()
@@ -201,6 +203,7 @@ class Checkpointed:
             ]
         region_call = RegionCall(region, call, tensors, closures, effects, snapshots)
         n_out = len(layout.tensors())
+        watched = tf_internals.untrainable_variables_watched(function.graph.variables)
 
         def run() -> list[tf.Tensor]:
             with tf.control_dependencies(snapshots):
@@ -217,6 +220,8 @@ class Checkpointed:
         @tf.custom_gradient
         def attach(*sources):
             outputs = run()
+            for variable in watched:
+                tf_internals.mark_read_for_custom_gradient(variable)
 
             def grad_fn(*dy, variables=None):
                 variables = list(variables or [])
@@ -342,7 +347,8 @@ def checkpoint(
 
     Args:
       fn_or_layer: the region: a function of tensors (and any non-tensor values) or a Keras layer.
-        Variables it reads receive gradients. It must build the same ops on every call.
+        Variables it reads receive gradients (a non-trainable one when a tape watches it, as
+        without remat). It must build the same ops on every call.
       policy: a name from `policies.policy_names()`, a predicate over `policies.OpInfo`, or None
         (no remat).
     """

@@ -58,11 +58,14 @@ class EagerRegion:
         self._state = state
         with tf_internals.watching_variables() as read:
             self._forward, self.layout, self._effects = trace_forward(self._region, call, tensors)
-        self._variables = read
+        self._variables = read  # the trainable ones; a tape may watch the others (below)
+        self._untrainable = [
+            v for v in self._forward.graph.variables if not v.trainable and v.dtype.is_floating
+        ]
         captured = self._forward.captured_inputs
         self._closures = [c for c in captured if differentiable(c)]
         self.captures_values = any(c.dtype != tf.resource for c in captured)
-        self._backward: dict[tuple[bool, ...], tuple[Callable, list[bool]]] = {}
+        self._backward: dict[tuple, tuple[Callable, list[bool]]] = {}
 
     def __call__(self, tensors: list[tf.Tensor]):
         """Runs the region on `tensors`; returns its results, packed as the region returns them."""
@@ -79,14 +82,16 @@ class EagerRegion:
         # nothing; otherwise a first-order gradient, through the results alone, is ahead.
         first_order = tuple(differentiable(t) for t in outputs) + (False,) * len(kept)
         accumulating = tf_internals.forward_accumulator_active()
+        variables = self._variables + tf_internals.untrainable_variables_watched(self._untrainable)
         if any(first_order):
             every = tuple(differentiable(t) for t in outputs + kept)
-            self._backward_for(every if accumulating else first_order, tensors, kept, snapshots)
+            mask = every if accumulating else first_order
+            self._backward_for(mask, variables, tensors, kept, snapshots)
         gated_kept: list[tf.Tensor] = []  # the kept values as the gradient function reads them
 
         def backward(mask: tuple[bool, ...], upstream: list[tf.Tensor]) -> list:
             mask += (False,) * (len(first_order) - len(mask))  # kept values not on the tape
-            function, connected = self._backward_for(mask, tensors, kept, snapshots)
+            function, connected = self._backward_for(mask, variables, tensors, kept, snapshots)
             # (Before the gates exist when a forward accumulator calls it as the op is recorded.)
             grads = iter(function(*tensors, *(gated_kept or kept), *snapshots, *upstream))
             flat = [next(grads) if has else None for has in connected]
@@ -98,16 +103,17 @@ class EagerRegion:
         # Only where a second-order gradient could follow: the tape fills in zeros for every
         # result a gradient leaves unused, a kept value's size each.
         recorded = outputs + kept
-        watched = sources + [v.handle for v in self._variables]
+        watched = sources + [v.handle for v in variables]
         if not accumulating and not tf_internals.higher_order_gradient_possible(watched):
             recorded = outputs
-        gated = attach_gradient(recorded, sources, self._variables, backward)
+        gated = attach_gradient(recorded, sources, variables, backward)
         gated_kept.extend(gated[n_out:] or kept)
         return self.layout.pack(gated[:n_out])
 
     def _backward_for(
         self,
         mask: tuple[bool, ...],
+        variables: list[tf.Variable],
         tensors: list[tf.Tensor],
         kept: list[tf.Tensor],
         snapshots: list[tf.Tensor],
@@ -115,7 +121,8 @@ class EagerRegion:
         """The traced backward pass for the results `mask` marks as used (the region's results,
         then its kept values), and which of its gradients exist (the tensors', closures' and
         variables', in that order)."""
-        if mask not in self._backward:
+        key = (mask, len(variables), *map(id, variables[len(self._variables) :]))
+        if key not in self._backward:
             n_tensors, n_kept, n_snapshots = len(tensors), len(kept), len(snapshots)
             n_out = len(mask) - n_kept
             connected: list[bool] = []
@@ -133,17 +140,15 @@ class EagerRegion:
                     list(args[n_tensors + n_kept : n_tensors + n_kept + n_snapshots]),
                 )
                 with tf_internals.keras_call_state_entered(self._state):
-                    grads = recompute_gradients(
-                        forward, dy[:n_out], self._variables, kept_dy=dy[n_out:]
-                    )
+                    grads = recompute_gradients(forward, dy[:n_out], variables, kept_dy=dy[n_out:])
                 connected.extend(g is not None for g in grads)
                 return [g for g in grads if g is not None]
 
             outputs = self.layout.tensors() + kept
             specs = [_spec(t) for t in tensors + kept + snapshots]
             specs += [_spec(o) for o, used in zip(outputs, mask) if used]
-            self._backward[mask] = (tf_internals.trace_function(backward, *specs), connected)
-        return self._backward[mask]
+            self._backward[key] = (tf_internals.trace_function(backward, *specs), connected)
+        return self._backward[key]
 
 
 def attach_gradient(

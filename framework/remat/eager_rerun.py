@@ -257,12 +257,19 @@ def call(
                 forward.first_reads[tf_internals.tensor_id(stored.handle)] = (
                     tf.raw_ops.ReadVariableOp(resource=stored.handle, dtype=stored.dtype)
                 )
+    untrainable = [
+        tf_internals.tf_variable(v)
+        for layer in layers
+        for v in getattr(layer, "non_trainable_variables", ())
+    ]
+    watched = tf_internals.untrainable_variables_watched(untrainable)
     with tf_internals.stop_recording(), tf_internals.watching_variables() as variables:
         with _running(forward):
             results = CallStructure(region(tensors))
         # New tensors: a result that is an input, a closure or another result would make the
         # recorded op its own input, or give one gradient to two results.
         outputs = [tf.identity(t) for t in results.tensors()]
+    variables += watched
     if forward.created_variables:
         raise RematError(
             f"Remat region {label!r} created variables in its call (a layer built inside "

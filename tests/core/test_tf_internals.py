@@ -125,6 +125,36 @@ def test_tape_autograph_captures_and_jit_compile():
     assert not tf_internals.is_jit_compiled(tf.function(lambda: 0))
     assert tf_internals.autograph_like_caller(lambda: 7)() == 7
 
+    @tf_internals.called_as_is_by_autograph
+    class Caller:
+        def __call__(self, x):
+            statuses.append(tf.__internal__.autograph.control_status_ctx().status.name)
+            return x
+
+    statuses = []
+    tf.function(lambda x: Caller()(x))(tf.constant(1.0))
+    assert statuses == ["ENABLED"]
+
+
+@pytest.mark.tf_compat
+def test_a_watched_non_trainable_variable_reaches_custom_gradient():
+    frozen, free = tf.Variable(2.0, trainable=False), tf.Variable(3.0, trainable=False)
+
+    @tf.custom_gradient
+    def double(x):
+        for v in tf_internals.untrainable_variables_watched([frozen, free]):
+            tf_internals.mark_read_for_custom_gradient(v)
+
+        def grad_fn(dy, variables=None):
+            return 2 * dy, [dy * (i + 10) for i, _ in enumerate(variables or [])]
+
+        return 2 * x, grad_fn
+
+    with tf.GradientTape() as tape:
+        tape.watch(frozen)
+        y = double(tf.constant(1.0))
+    assert tape.gradient(y, [frozen, free]) == [10.0, None]
+
 
 @pytest.mark.tf_compat
 def test_optimization_barrier_passes_values_through_in_eager_graph_and_xla():

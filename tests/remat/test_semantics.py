@@ -231,6 +231,63 @@ def test_checkpoint_keeps_name_and_signature():
     assert body.calls == 2
 
 
+def _tensor_control_flow(x):
+    """Python `if` and `for` on tensors: only AutoGraph makes them graph control flow."""
+    if tf.reduce_sum(x) > 0:
+        x = tf.sin(x)
+    else:
+        x = tf.cos(x)
+    for i in tf.range(tf.shape(x)[0]):
+        x = x * tf.cast(i + 1, x.dtype)
+    return x
+
+
+class _TensorControlFlowLayer(keras.layers.Layer):
+    def call(self, x):
+        return _tensor_control_flow(x)
+
+
+def _outcome(run):
+    try:
+        return run()
+    except Exception as error:  # noqa: BLE001 (the error class is the outcome compared)
+        return type(error)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_autograph_converts_a_function_as_a_direct_call_would_and_a_layer_as_keras_does(mode):
+    """A `tf.function` (AutoGraph on, its default) converts the functions it calls, so a region
+    with Python control flow on tensors works as it does without remat; eager regions are traced
+    and converted as `tf.function` converts. Keras 3 never converts a layer's `call`: a
+    checkpointed layer fails or works exactly as the plain one."""
+
+    def gradients(wrap, region):
+        fn = wrap(region)
+
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = tf.reduce_sum(fn(x) ** 2)
+            return tape.gradient(y, x)
+
+        return step if mode == "eager" else tf.function(step, jit_compile=mode == "xla")
+
+    for sign in (1.0, -1.0):
+        x = sign * tf.abs(rand(3)) + 0.1 * sign
+        counted = Counted(_tensor_control_flow)
+        got = gradients(lambda fn: remat.checkpoint(fn), counted)(x)
+        assert_close(got, gradients(plain, _tensor_control_flow)(x))
+        assert counted.calls == 2
+
+    x = rand(3)
+    want = _outcome(lambda: gradients(plain, _TensorControlFlowLayer())(x))
+    got = _outcome(lambda: gradients(remat.checkpoint, _TensorControlFlowLayer())(x))
+    if isinstance(want, type):
+        assert got is want, (got, want)
+    else:
+        assert_close(got, want)
+
+
 # 3. Nesting.
 
 
@@ -843,6 +900,68 @@ def test_unconnected_inputs_and_unused_variables_get_none(mode):
     got = step(remat.checkpoint)(x, u)
     assert got[1] is None and got[3] is None and len(runs) == 2
     assert_close(got, step(plain)(x, u))
+
+
+class FrozenBlock(keras.layers.Layer):
+    """A block whose first projection is frozen, as in a fine-tuned backbone."""
+
+    calls = 0
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.frozen = keras.layers.Dense(4, trainable=False)
+        self.dense = keras.layers.Dense(4)
+
+    def call(self, x):
+        FrozenBlock.calls += 1
+        return self.dense(tf.tanh(self.frozen(x)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable"])
+def test_a_watched_non_trainable_variable_gets_its_gradient(mode, policy):
+    """`tape.watch` on a non-trainable variable: its read inside a region is differentiated as
+    without remat (TensorFlow's `tf.custom_gradient` and `tf.recompute_grad` give None), and a
+    tape that does not watch it neither gets it nor starts watching it."""
+    scale = tf.Variable(rand(3, seed=3), trainable=False)
+    runs = []
+
+    def region(x):
+        runs.append(1)
+        return tf.sin(x * scale)
+
+    def function_step(wrap):
+        fn = wrap(region)
+
+        def run(x):
+            with tf.GradientTape() as tape, tf.GradientTape() as other:
+                tape.watch([x, scale])
+                y = tf.reduce_sum(fn(x) ** 2)
+            assert not any(v is scale for v in other.watched_variables())
+            return tape.gradient(y, [x, scale])
+
+        return compiled(run, mode)
+
+    x = rand(3)
+    got = function_step(lambda fn: remat.checkpoint(fn, policy))(x)
+    assert got[1] is not None and len(runs) == 2
+    assert_close(got, function_step(plain)(x))
+
+    block = FrozenBlock()
+    block(x[None])
+
+    def layer_step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(block.frozen.kernel.value)  # Keras' variable stores a tf.Variable
+            y = tf.reduce_sum(block(x) ** 2)
+        return tape.gradient(y, [block.frozen.kernel, *block.trainable_variables])
+
+    want = compiled(layer_step, mode)(x[None])
+    remat.checkpoint(block, policy)
+    FrozenBlock.calls = 0
+    got = compiled(layer_step, mode)(x[None])
+    assert got[0] is not None and FrozenBlock.calls == 2
+    assert_close(got, want)
 
 
 @pytest.mark.parametrize("mode", MODES)
