@@ -178,7 +178,7 @@ class Checkpointed:
         if key is not None:  # each replica of a strategy captures its own variables
             key = (key, tf_internals.current_device(), _trainable_flags(layers))
         region, masks_cleared = self._eager.get(key, (None, ()))
-        if region is None:
+        if region is None or region.stale:
             region = EagerRegion(self.policy, self.label, call, tensors, state)
             # Tensors the region closes over were captured by value: trace again next time.
             if key is not None and not region.captures_values:

@@ -62,10 +62,18 @@ class EagerRegion:
         self._untrainable = [
             v for v in self._forward.graph.variables if not v.trainable and v.dtype.is_floating
         ]
+        # What a layer computes depends on its `trainable` flag (a frozen BatchNorm normalizes
+        # with its moving statistics): a trace is stale once one of the layers it ran changes it.
+        self._trainable = [(layer, layer.trainable) for layer in self._region.layers_run.values()]
         captured = self._forward.captured_inputs
         self._closures = [c for c in captured if differentiable(c)]
         self.captures_values = any(c.dtype != tf.resource for c in captured)
         self._backward: dict[tuple, tuple[Callable, list[bool]]] = {}
+
+    @property
+    def stale(self) -> bool:
+        """Whether a Keras layer the trace ran has been frozen or unfrozen since."""
+        return any(layer.trainable != trainable for layer, trainable in self._trainable)
 
     def __call__(self, tensors: list[tf.Tensor]):
         """Runs the region on `tensors`; returns its results, packed as the region returns them."""

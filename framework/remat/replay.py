@@ -159,6 +159,7 @@ class Region:
         self._constants: list = []  # the values of the pass's top-level constants, in order
         self._replayed_constants: list = []
         self._holder = None  # the Keras layer the forward pass ran in
+        self.layers_run: dict[int, object] = {}  # the Keras layers its top-level ops ran in, by id
 
     @contextlib.contextmanager
     def _active(self, built: Pass, dep: tf.Tensor) -> Iterator[None]:
@@ -176,7 +177,7 @@ class Region:
     def recording(self, dep: tf.Tensor) -> contextlib.AbstractContextManager:
         """Context in which the forward pass is traced; `dep` is a zero tied to the inputs."""
         self.entries, self._constants = [], []
-        self._random_values, self._producers = RandomValues(), {}
+        self._random_values, self._producers, self.layers_run = RandomValues(), {}, {}
         return self._active(Pass.RECORD, dep)
 
     def saved(self, pricing: list[OpInfo] | None = None) -> list[tf.Tensor]:
@@ -323,6 +324,9 @@ class Region:
             tf_internals.keras_layer_path(self._depth, self._holder), context, state.autocast
         )
         if recording:
+            layer = tf_internals.keras_current_layer()
+            if layer is not None:
+                self.layers_run[id(layer)] = layer
             self._record(info, site, op, outputs)
             return None
         return self._replay(info, site, op, outputs)

@@ -784,6 +784,38 @@ def test_an_eager_trace_is_made_again_after_a_layer_is_frozen():
         np.testing.assert_array_equal(norm.moving_mean.numpy(), mean)
 
 
+def test_an_eager_trace_of_a_function_is_made_again_after_a_layer_it_calls_is_frozen():
+    """The same for a checkpointed function that calls a layer: its layers are only known once
+    it has run, and the trace remembers their flags. Gradients and statistics are compared with
+    the plain function over one unfrozen and one frozen step."""
+    keras.utils.set_random_seed(0)
+    norm = keras.layers.BatchNormalization()
+    w = tf.Variable(rand(8, 8))
+    norm.build((None, 8))
+    start = [v.numpy() for v in [*norm.variables, w]]
+    x = rand(4, 8)
+
+    def body(x):
+        return norm(tf.tanh(x @ w), training=True)
+
+    def two_steps(fn):
+        for v, value in zip([*norm.variables, w], start):
+            v.assign(value)
+        got = []
+        for trainable in (True, False):
+            norm.trainable = trainable
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(fn(x) ** 2)
+            got += [*tape.gradient(loss, [x, w]), norm.moving_mean.numpy()]
+        norm.trainable = True
+        return got
+
+    counted = Counted(body)
+    assert_close(two_steps(remat.checkpoint(counted, "dots_saveable")), two_steps(body))
+    assert counted.calls == 4  # traced twice, recomputed twice
+
+
 # 8. Smaller semantic cases.
 
 
