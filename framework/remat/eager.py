@@ -59,9 +59,7 @@ class EagerRegion:
         with tf_internals.watching_variables() as read:
             self._forward, self.layout, self._effects = trace_forward(self._region, call, tensors)
         self._variables = read  # the trainable ones; a tape may watch the others (below)
-        self._untrainable = [
-            v for v in self._forward.graph.variables if not v.trainable and v.dtype.is_floating
-        ]
+        self._every_variable = list(self._forward.graph.variables)
         # What a layer computes depends on its `trainable` flag (a frozen BatchNorm normalizes
         # with its moving statistics): a trace is stale once one of the layers it ran changes it.
         self._trainable = [(layer, layer.trainable) for layer in self._region.layers_run.values()]
@@ -90,7 +88,10 @@ class EagerRegion:
         # nothing; otherwise a first-order gradient, through the results alone, is ahead.
         first_order = tuple(differentiable(t) for t in outputs) + (False,) * len(kept)
         accumulating = tf_internals.forward_accumulator_active()
-        variables = self._variables + tf_internals.untrainable_variables_watched(self._untrainable)
+        variables = [
+            *self._variables,
+            *tf_internals.untrainable_variables_watched(self._every_variable),
+        ]
         if any(first_order):
             every = tuple(differentiable(t) for t in outputs + kept)
             mask = every if accumulating else first_order
