@@ -4,8 +4,8 @@ The model is rebuilt the way the run built it, from the run's own `DIR/config.gi
 weights of the newest checkpoint in `DIR/checkpoints` (`framework.trained_model`, which refuses the
 config's `import` and `include` lines rather than run them, but for imports of the modules given
 to `--trusted_imports`). Text is tokenized with the run's
-vocabulary: `data.TextCorpus.vocab_path` or `data.TfdsText.vocab_path` when the config records
-it, else `DIR/vocab.txt`.
+vocabulary: `DIR/vocab.txt` (where the trainer learns it), else the file the run's config names
+(`data.TextCorpus.vocab_path` or `data.TfdsText.vocab_path`).
 
 Each new token costs one forward pass over a fixed window of `max_length` tokens (one compiled
 program, no retracing); longer contexts keep their last `max_length` tokens.
@@ -44,7 +44,6 @@ class SampleError(UserError):
 def load_run(model_dir: str, trusted_imports: Sequence[str] = ()):
     """(model with the newest checkpoint's weights, vocabulary) of the run in `model_dir`; the
     run's config may import `trusted_imports`."""
-    import gin
     import tensorflow as tf
 
     from framework import trained_model
@@ -60,13 +59,14 @@ def load_run(model_dir: str, trusted_imports: Sequence[str] = ()):
             "model (DecoderLM, as lm_quickstart.gin trains): framework.sample cannot continue "
             "text with it"
         )
-    vocab_path = os.path.join(model_dir, "vocab.txt")
-    for source in (text.TextCorpus, tfds_text.TfdsText):  # the run's config holds the one it used
-        try:
-            vocab_path = gin.query_parameter(cli.binding_name(source, "vocab_path", module="data"))
-            break
-        except ValueError:
-            continue
+    vocab_path = os.path.join(model_dir, cli.VOCAB_FILE)
+    if not tf.io.gfile.exists(vocab_path):  # another file: the run's config names it
+        for source in (text.TextCorpus, tfds_text.TfdsText):
+            vocab_path = cli.bound_value(cli.binding_name(source, "vocab_path", module="data"))
+            if vocab_path is not None:
+                break
+        else:
+            vocab_path = os.path.join(model_dir, cli.VOCAB_FILE)
     if not tf.io.gfile.exists(vocab_path):
         raise SampleError(f"the run's vocabulary {vocab_path} is missing")
     vocab = vocab_lib.load_vocab(vocab_path)

@@ -29,6 +29,7 @@ import re
 import shlex
 import signal
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 
 import gin
@@ -358,12 +359,15 @@ def main(argv: Sequence[str]) -> int:
 
     cli.parse_gin(files, bindings, FLAGS.gin_search_paths)
     check_required_bindings(TrainerSettings)
-    if FLAGS.print_config:
-        _build(Trainer, None)
-        print(gin.operative_config_str())
-        return 0
-    if FLAGS.check_determinism:
-        return _check_determinism(Trainer, FLAGS.check_determinism)
+    if in_memory:  # what the run learns from its data goes to a directory removed afterwards
+        with tempfile.TemporaryDirectory(prefix="framework-") as scratch:
+            cli.bind_run_files(scratch)
+            if FLAGS.print_config:
+                _build(Trainer, None)
+                print(gin.operative_config_str())
+                return 0
+            return _check_determinism(Trainer, FLAGS.check_determinism)
+    bindings = [*bindings, *cli.bind_run_files(model_dir)]
     try:
         created = not tf.io.gfile.exists(model_dir)
     except tf.errors.OpError:  # storage out of reach: the writability check says so

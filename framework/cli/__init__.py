@@ -12,8 +12,9 @@ exit status` to `run` (`runner.py`), which:
   lines and known-harmless Python warnings out of the console (`tensorflow_noise.py`):
   `--verbosity=1` (or `-v 1`) brings them back.
 
-`main` parses the gin files and bindings (`gin_config.py`) and checks what the other flags and
-the model directory say (`checks.py`). `--help` lists every flag the binary takes and imports no
+`main` parses the gin files and bindings (`gin_config.py`, which also puts what a run learns from
+its data, a text vocabulary, in the model directory) and checks what the other flags and the
+model directory say (`checks.py`). `--help` lists every flag the binary takes and imports no
 TensorFlow.
 """
 
@@ -34,13 +35,22 @@ from framework.cli.flags import (
     require_a_number,
     rewrite_gin_shorthand,
 )
-from framework.cli.gin_config import binding_name, bound_value, parse_gin, parse_run_config
+from framework.cli.gin_config import (
+    VOCAB_FILE,
+    bind_run_files,
+    binding_name,
+    bound_value,
+    parse_gin,
+    parse_run_config,
+)
 from framework.cli.runner import first_line, raise_if_interrupted, run
 from framework.core.errors import UsageError
 
 __all__ = [
     "CONFIGS_DIR",
     "UsageError",
+    "VOCAB_FILE",
+    "bind_run_files",
     "binding_name",
     "bound_value",
     "define_budget_flags",

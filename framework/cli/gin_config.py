@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import re
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
@@ -38,6 +39,75 @@ def bound_value(name: str) -> object:
         return gin.query_parameter(name)
     except ValueError:
         return None
+
+
+VOCAB_FILE = "vocab.txt"
+
+
+def bind_run_files(model_dir: str) -> list[str]:
+    """Binds what a run learns from its data and must read again to its model directory: the
+    WordPiece vocabulary of a text source (`data.TextCorpus`, `data.TfdsText`) whose config
+    leaves `vocab_path` unbound becomes `model_dir/vocab.txt`, so that a run never writes
+    outside its directory and a run on another corpus never reuses a vocabulary learned from
+    this one. A run warm-started from another run (`Trainer.init_checkpoint`, its directory or
+    one of its checkpoints) that has a `vocab.txt` takes that one instead: its embeddings were
+    trained with it. A run that has checkpoints but no `vocab.txt` learned its vocabulary
+    elsewhere: nothing is bound, and a text source asks for the file rather than learn another.
+    Returns the bindings made, for the processes the binary starts."""
+    from framework.core import files
+    from framework.data import text
+    from framework.data.text import tfds_text
+    from framework.trainer.settings import TrainerSettings
+
+    init_checkpoint = bound_value(binding_name(TrainerSettings, "init_checkpoint"))
+    vocab = files.join(model_dir, VOCAB_FILE)
+    if not _exists(vocab):
+        earlier = init_checkpoint and files.join(_run_directory(init_checkpoint), VOCAB_FILE)
+        if earlier and _exists(earlier):
+            vocab = earlier
+        elif _has_checkpoints(model_dir):
+            return []
+    made = []
+    for source in (text.TextCorpus, tfds_text.TfdsText):
+        name = binding_name(source, "vocab_path", module="data")
+        if bound_value(name) is None:
+            made.append(f"{name} = {vocab!r}")
+    with gin.unlock_config():
+        for binding in made:
+            gin.parse_config(binding)
+    return made
+
+
+def _has_checkpoints(model_dir: str) -> bool:
+    """Whether the run in `model_dir` committed a checkpoint; False when out of reach."""
+    import tensorflow as tf
+
+    from framework.core import files
+    from framework.rundir import checkpoints
+
+    try:
+        return bool(checkpoints.list_checkpoints(files.join(model_dir, "checkpoints")).committed)
+    except tf.errors.OpError:
+        return False
+
+
+def _exists(path: str) -> bool:
+    """Whether `path` exists; False when its storage is out of reach (the run says so later)."""
+    import tensorflow as tf
+
+    try:
+        return tf.io.gfile.exists(path)
+    except tf.errors.OpError:
+        return False
+
+
+def _run_directory(checkpoint: str) -> str:
+    """The model directory of a run named by its directory, its `checkpoints/` or a checkpoint
+    prefix in it (`.../checkpoints/ckpt-N`), as `Trainer.init_checkpoint` takes them."""
+    path = checkpoint.rstrip("/")
+    if os.path.basename(os.path.dirname(path)) == "checkpoints":
+        path = os.path.dirname(path)
+    return os.path.dirname(path) if os.path.basename(path) == "checkpoints" else path
 
 
 def _not_gin_lookup(record: logging.LogRecord) -> bool:

@@ -142,6 +142,7 @@ def main(argv: Sequence[str]) -> int:
     _check_config(target, batch_sizes)
     shard_states = cli.shard_states_flag()
     cli.prepare_model_dir(model_dir)
+    bindings = [*bindings, *cli.bind_run_files(model_dir)]
     config = planner.RunConfig(files, bindings, FLAGS.gin_search_paths)
     try:
         plan = planner.make_plan(

@@ -6,6 +6,7 @@ import gc
 import hashlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -525,3 +526,47 @@ def test_the_last_line_through_the_stderr_filter_is_out_when_the_process_exits(t
                 [sys.executable, "-c", script], cwd=REPO_DIR, env=child_env(), stderr=stderr
             ).returncode
         assert status == 2 and log.read_text() == "error: the last line\n", log.read_text()
+
+
+@pytest.mark.slow
+def test_a_text_run_learns_its_vocabulary_in_its_model_dir_and_a_warm_start_keeps_it(
+    tmp_path, monkeypatch, caplog, capsys
+):
+    """lm_quickstart.gin names no vocab_path: the run learns it into MODEL_DIR/vocab.txt and
+    writes nothing where it was started (it wrote runs/lm_quickstart/ there, which a run on
+    another corpus then reused); a run warm-started from it tokenizes with its vocabulary; a
+    run with checkpoints but no vocab.txt asks for its file; --print_config writes nothing."""
+    from framework import sample
+    from framework.data.text import vocab
+    from tests.binaries.in_process import train_binary
+    from tests.data.text.test_sources import TINY_LM_RUN
+
+    run = [
+        *TINY_LM_RUN,
+        *(f"--gin.data.TextCorpus.{n}" for n in ("vocab_size=200", "sequence_length=16")),
+    ]
+    started_in = tmp_path / "cwd"
+    started_in.mkdir()
+    monkeypatch.chdir(started_in)
+    train_binary(run, tmp_path / "a", caplog)
+    learned = vocab.load_vocab(str(tmp_path / "a" / "vocab.txt"))
+    assert f"'{tmp_path}/a/vocab.txt'" in (tmp_path / "a" / "config.gin").read_text()
+    warm = [*run, f"--gin.Trainer.init_checkpoint='{tmp_path}/a/checkpoints'"]
+    train_binary(warm, tmp_path / "b", caplog)
+    assert not (tmp_path / "b" / "vocab.txt").exists()
+    assert sample.load_run(str(tmp_path / "b"))[1] == learned
+    # A run from before this default (its vocabulary under runs/) is not given another one.
+    shutil.copytree(tmp_path / "a", tmp_path / "c")
+    (tmp_path / "c" / "vocab.txt").unlink()
+    with pytest.raises(cli.UsageError, match="set TextCorpus.vocab_path to the vocabulary file"):
+        train_binary(run, tmp_path / "c", caplog)
+    assert not (tmp_path / "c" / "vocab.txt").exists()
+    gin.clear_config()
+    try:
+        train.FLAGS(cli.rewrite_gin_shorthand(["train", *run, "--print_config"]))
+        assert train.main(["train"]) == 0
+    finally:
+        train.FLAGS.unparse_flags()
+        gin.clear_config()
+    assert "TextCorpus.vocab_size = 200" in capsys.readouterr().out
+    assert not list(started_in.iterdir())

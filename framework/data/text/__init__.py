@@ -15,9 +15,9 @@ sources (`TokenSource`), each a frozen dataclass bound in gin as `data.text_lm.c
 - `token_records.TokenRecords`: TFRecord files of token ids tokenized elsewhere (seqio caches).
 
 The two text sources tokenize with tensorflow-text's WordPiece; the vocabulary is learned once,
-from a bounded sample spread over the corpus, and kept in `vocab_path` (`vocab`): set it inside
-the run's model directory so resuming and `framework.sample` tokenize the same way. From there on
-one pipeline, TensorFlow ops inside `tf.data` (no Python per document):
+from a bounded sample spread over the corpus, and kept in `vocab_path` (`vocab`): the binaries
+put it in the run's model directory, so resuming and `framework.sample` tokenize the same way.
+From there on one pipeline, TensorFlow ops inside `tf.data` (no Python per document):
 
     documents -> [BOS] tokens [EOS] -> pack into rows of `sequence_length` (`packing`)
       train: epochs, each in an order drawn from (seed, epoch) -> rows of each global step ->

@@ -39,8 +39,8 @@ class TextCorpus:
 
     files: paths or glob patterns (local or gs://) of text files.
     vocab_path: the WordPiece vocabulary; read if it exists, else learned from a sample of the
-      training documents and written there. Put it in the run's model directory
-      (`framework.sample` finds it through the run's config.gin).
+      training documents and written there. The binaries default it to `vocab.txt` in the
+      run's model directory, where resuming and `framework.sample` read it back.
     vocab_size: the model's vocabulary size: the most tokens a learned vocabulary gets; a larger
       vocabulary file is a ValueError.
     sequence_length: tokens per packed row.

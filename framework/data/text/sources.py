@@ -79,8 +79,9 @@ def check_vocab_settings(source: str, corpus: TokenSource) -> None:
     """The settings of a source that learns a WordPiece vocabulary."""
     if not isinstance(corpus.vocab_path, str):
         raise ValueError(
-            f"set {source}.vocab_path to a file path, e.g. vocab.txt in the run's model "
-            f"directory, got {corpus.vocab_path!r}"
+            f"set {source}.vocab_path to the vocabulary file, got {corpus.vocab_path!r} (a "
+            "new run learns it into vocab.txt in its model directory; a run resumed from "
+            "checkpoints without one there names it in its config.gin)"
         )
     checks.integer(f"{source}.vocab_size", corpus.vocab_size)
     checks.integer(f"{source}.vocab_documents", corpus.vocab_documents, optional=True)
