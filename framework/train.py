@@ -74,13 +74,12 @@ def write_run_record(model_dir: str, config: str, command: str) -> None:
     from framework.core import files
 
     config_path = files.join(model_dir, "config.gin")
-    if tf.io.gfile.exists(config_path) and files.read_text(config_path) != config:
+    # Bytes: an earlier config.gin is kept as it is, whatever its encoding.
+    earlier = files.read_bytes(config_path) if tf.io.gfile.exists(config_path) else None
+    if earlier is not None and earlier != config.encode():
         stamp = datetime.datetime.fromtimestamp(files.modified_time(config_path))
         # Copied, not moved: config.gin stays the run's until the new one is written whole.
-        files.write_bytes(
-            files.join(model_dir, f"config-{stamp:%Y%m%d-%H%M%S}.gin"),
-            files.read_text(config_path),
-        )
+        files.write_bytes(files.join(model_dir, f"config-{stamp:%Y%m%d-%H%M%S}.gin"), earlier)
     files.write_bytes(config_path, config)
     files.write_bytes(files.join(model_dir, "command"), command + "\n")
     logging.info("wrote %s (the operative config) and the command", config_path)
@@ -368,6 +367,8 @@ def main(argv: Sequence[str]) -> int:
                 return 0
             return _check_determinism(Trainer, FLAGS.check_determinism)
     bindings = [*bindings, *cli.bind_run_files(model_dir)]
+    if FLAGS.mode == "eval":
+        _check_there_is_a_model_to_evaluate(model_dir, TrainerSettings)
     try:
         created = not tf.io.gfile.exists(model_dir)
     except tf.errors.OpError:  # storage out of reach: the writability check says so
@@ -397,6 +398,28 @@ def main(argv: Sequence[str]) -> int:
         model_dir,
     )
     return 0
+
+
+def _check_there_is_a_model_to_evaluate(model_dir: str, settings_class: type) -> None:
+    """--mode=eval evaluates a run's checkpoint, or the weights of `Trainer.init_checkpoint`:
+    without either it would score fresh random weights (a mistyped --model_dir, say) and exit 0."""
+    import tensorflow as tf
+
+    from framework.core import files
+    from framework.rundir import checkpoints
+
+    if cli.bound_value(cli.binding_name(settings_class, "init_checkpoint")):
+        return
+    directory = files.join(model_dir, "checkpoints")
+    try:
+        listing = checkpoints.list_checkpoints(directory)
+    except tf.errors.OpError:  # storage out of reach: the writability check says so
+        return
+    if not listing.committed:
+        raise UsageError(
+            f"--mode=eval: no checkpoint in {directory} to evaluate: train first, check "
+            "--model_dir, or give Trainer.init_checkpoint"
+        )
 
 
 @contextlib.contextmanager

@@ -58,7 +58,10 @@ def read_config(model_dir: str, trusted_imports: Collection[str] = ()) -> str:
     path = files.join(model_dir, "config.gin")
     if not tf.io.gfile.exists(path):
         raise UsageError(f"{path} not found: is {model_dir!r} the model_dir of a training run?")
-    text = files.read_text(path)
+    try:
+        text = files.read_text(path)
+    except ValueError as error:
+        raise UsageError(f"cannot read the run's config: {error}") from None
     gin.clear_config()
     cli.parse_run_config(text, path, trusted_imports)
     return text

@@ -5,8 +5,9 @@
 Each worker gets a `TF_CONFIG` naming every worker at a free 127.0.0.1 port, exactly as hosts of a
 real cluster would get theirs. Their output is streamed with a `[worker i]` prefix. The launcher
 exits with the first failing worker's status (killing the others, which would otherwise wait
-forever in a collective), with 42 when the workers were preempted and saved a checkpoint, and 0
-when all finished. SIGTERM or SIGINT to the launcher is passed on to every worker.
+forever in a collective), with 42 when the workers were preempted (they saved a checkpoint, or
+were stopped while starting up: restart them), and 0 when all finished. SIGTERM or SIGINT to
+the launcher is passed on to every worker.
 
 Two guarantees (Linux only):
 
@@ -237,10 +238,13 @@ def run_cluster(
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    # After a forwarded signal, a worker that saved and exited 42, or that the signal ended
+    # before its handler was installed (while it started up), was preempted: restart it.
+    preempted = {PreemptedError.exit_status, -signal.SIGTERM, -signal.SIGINT}
     while True:
         codes = [process.poll() for process in processes]
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-        if failed and not (forwarded.is_set() and failed[0][1] == PreemptedError.exit_status):
+        if failed and not (forwarded.is_set() and failed[0][1] in preempted):
             index, code = failed[0]
             print(
                 f"[launcher] worker {index} exited with status {code}: stopping the others",
@@ -249,6 +253,8 @@ def run_cluster(
             _stop(processes, grace_seconds)
             return code if code > 0 else 1
         if all(code is not None for code in codes):
+            if forwarded.is_set() and preempted.intersection(codes):
+                return PreemptedError.exit_status
             return max(codes)
         time.sleep(POLL_SECONDS)
 

@@ -7,6 +7,7 @@ mistake is one `UsageError` line at once, not a failure minutes into a run.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from absl import flags
@@ -62,6 +63,15 @@ def prepare_model_dir(model_dir: str) -> None:
                 "another --model_dir"
             )
     checkpoints = files.join(model_dir, "checkpoints")
+    if (
+        files.is_local(checkpoints)
+        and os.path.islink(checkpoints)
+        and not tf.io.gfile.exists(checkpoints)
+    ):  # a run would start afresh, then fail at its first save
+        raise UsageError(
+            f"{checkpoints} links to {os.readlink(checkpoints)!r}, which is not there (storage "
+            "not mounted?): mount it, or remove the link to keep checkpoints in the model_dir"
+        )
     if tf.io.gfile.isdir(checkpoints):  # (it may have lost its write permission, or been mounted)
         _check_writable(checkpoints, repr(checkpoints), model_dir)
 

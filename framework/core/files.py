@@ -39,9 +39,21 @@ def join(directory: str, name: str) -> str:
     return f"{directory.rstrip('/')}/{name}"
 
 
-def read_text(path: str) -> str:
-    with tf.io.gfile.GFile(path) as file:
+def read_bytes(path: str) -> bytes:
+    with tf.io.gfile.GFile(path, "rb") as file:
         return file.read()
+
+
+def read_text(path: str) -> str:
+    """The UTF-8 text of `path`; a file that is not UTF-8 (another encoding, a flipped bit) is a
+    ValueError that names it."""
+    data = read_bytes(path)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{path} is not UTF-8 text (byte {data[error.start]:#04x} at offset {error.start})"
+        ) from None
 
 
 def write_bytes(path: str, data: bytes | str) -> None:

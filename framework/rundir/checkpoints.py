@@ -45,9 +45,16 @@ class Listing:
     has_index: bool  # whether the `checkpoint` index file exists (readable or not)
 
     @property
+    def uncommitted_steps(self) -> list[int]:
+        """The steps of the saves whose data files are here without their .index file."""
+        return sorted({int(_PARTIAL.match(name)[1]) for name in self.uncommitted})
+
+    @property
     def empty(self) -> bool:
-        """True when nothing here could be a checkpoint of an earlier run."""
-        return not self.committed and not self.has_index
+        """True when nothing here could be a checkpoint of an earlier run. The data of one save
+        without its .index is what a run killed in its first save leaves; of several, a run
+        whose .index files were lost."""
+        return not self.committed and not self.has_index and len(self.uncommitted_steps) <= 1
 
 
 def step_of(prefix: str) -> int:
@@ -91,7 +98,7 @@ def restore_newest(listing: Listing, restore: Callable[[str], None]) -> str | No
     reason. Returns None only when the directory holds no checkpoint at all; raises
     `CheckpointError` when it holds checkpoints none of which can be restored.
     """
-    for name in listing.uncommitted:
+    for name in listing.uncommitted if listing.committed or listing.empty else ():
         logging.warning(
             "ignoring %s/%s: its save never completed (no .index file)", listing.directory, name
         )
@@ -108,11 +115,13 @@ def restore_newest(listing: Listing, restore: Callable[[str], None]) -> str | No
         if skipped:
             logging.warning("restored the older checkpoint %s instead", prefix)
         return prefix
-    found = (
-        "; ".join(skipped)
-        if skipped
-        else f"its {INDEX_FILE} index file names checkpoints but no ckpt-N.index file is there"
-    )
+    if skipped:
+        found = "; ".join(skipped)
+    elif listing.has_index:
+        found = f"its {INDEX_FILE} index file names checkpoints but no ckpt-N.index file is there"
+    else:
+        steps = ", ".join(f"{PREFIX}-{n}" for n in listing.uncommitted_steps)
+        found = f"the data files of {steps} without their .index files"
     raise CheckpointError(
         f"{listing.directory} holds a run that cannot be restored ({found}). Nothing was deleted. "
         "If this run's settings differ from those that wrote them (another model, size or "

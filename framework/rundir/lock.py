@@ -84,9 +84,9 @@ class Holder:
         return False
 
 
-def _parse(text: str) -> Holder | None:
+def _parse(data: str | bytes) -> Holder | None:
     try:
-        return Holder(**json.loads(text))
+        return Holder(**json.loads(data))
     except (ValueError, TypeError):
         return None
 
@@ -143,7 +143,10 @@ class RunLock:
         atexit.register(self.release)
 
     def check(self) -> None:
-        """Raises LockError if this lock is no longer held (taken over by another run)."""
+        """Raises LockError if this lock is no longer held (taken over by another run, or its
+        flocked file removed or replaced, which lets another run take a new one)."""
+        if self._lost is None and self._fd is not None and not self._flocked_file_is_there():
+            self._lost = f"{self.path} was removed or replaced while this run held it"
         if self._lost is None and not self.use_flock:
             try:
                 current = self._read()
@@ -155,6 +158,12 @@ class RunLock:
                 self._lost = f"another run took over {self.path} ({holder})"
         if self._lost is not None:
             raise LockError(f"{self._lost}; this run stops without saving")
+
+    def _flocked_file_is_there(self) -> bool:
+        try:
+            return os.stat(self.path.removeprefix("file://")).st_ino == os.fstat(self._fd).st_ino
+        except FileNotFoundError:
+            return False
 
     def release(self) -> None:
         """Marks the lock released (a next run takes it without a warning) and lets it go."""
@@ -251,17 +260,23 @@ class RunLock:
 
     def _held_message(self, holder: Holder | None) -> str:
         who = holder.describe() if holder else "an unreadable lock file"
-        return (
+        message = (
             f"{self.model_dir} is in use by another run ({who}). Wait for it to finish, stop it, "
-            f"or use another --model_dir. If that run is gone, remove {self.path}."
+            "or use another --model_dir."
+        )
+        if self.use_flock:  # the kernel frees it when the holder ends: the holder runs
+            return message
+        return (
+            f"{message} If that run is gone, its lease runs out {self.lease_seconds:.0f} s "
+            f"after its last heartbeat; or remove {self.path}."
         )
 
     def _read(self) -> Holder | None:
         try:
-            text = files.with_retries(lambda: files.read_text(self.path), "reading the lock")
+            data = files.with_retries(lambda: files.read_bytes(self.path), "reading the lock")
         except tf.errors.NotFoundError:
             return None
-        return _parse(text)
+        return _parse(data)
 
     def _write(self) -> None:
         data = json.dumps(dataclasses.asdict(self.holder))

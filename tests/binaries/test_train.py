@@ -163,6 +163,10 @@ def test_bad_input_is_one_line_and_leaves_the_model_dir_alone(args, message, tmp
             ],
             "TextCorpus.files: 'docs' is a directory",
         ),
+        (  # a mistyped model_dir: it scored fresh random weights and exited 0
+            ["--mode=eval"],
+            "--mode=eval: no checkpoint in {tmp}/run/checkpoints to evaluate: train first",
+        ),
         (  # no network here (or no such bucket): one line that says what to check
             ["--model_dir=gs://framework-tests-no-such-bucket/run"],
             "check the network, the bucket's name and that these credentials may write",
@@ -172,7 +176,36 @@ def test_bad_input_is_one_line_and_leaves_the_model_dir_alone(args, message, tmp
 def test_a_bad_config_stops_before_anything_is_written(args, message, tmp_path):
     """In this process (the one-line report of a UsageError is the subprocess tests' part)."""
     (tmp_path / "empty.gin").write_text("")
-    _refused_in_process(args, message, tmp_path)
+    _refused_in_process(args, message.format(tmp=tmp_path), tmp_path)
+
+
+def test_a_checkpoints_link_to_storage_that_is_not_there_is_refused(tmp_path):
+    """A run would start afresh beside a run whose checkpoints are on storage not mounted,
+    then fail at its first save."""
+    run = tmp_path / "kept"
+    run.mkdir()
+    (run / "checkpoints").symlink_to(tmp_path / "unmounted")
+    _refused_in_process(
+        [f"--model_dir={run}"], "which is not there (storage not mounted?)", tmp_path
+    )
+    assert (run / "checkpoints").is_symlink() and not (tmp_path / "unmounted").exists()
+
+
+def test_a_run_record_that_is_not_utf8_is_kept_as_it_is(tmp_path):
+    """A config.gin in another encoding (or with a flipped bit) stopped every restart with a
+    UnicodeDecodeError traceback; reading a run's config names the file."""
+    from framework import trained_model
+
+    earlier = b"# r\xe9glage\nTrainer.train_steps = 10\n"
+    (tmp_path / "config.gin").write_bytes(earlier)
+    train.write_run_record(str(tmp_path), "Trainer.train_steps = 20\n", "second")
+    assert [p.read_bytes() for p in tmp_path.glob("config-*.gin")] == [earlier]
+    assert (tmp_path / "config.gin").read_text() == "Trainer.train_steps = 20\n"
+    (tmp_path / "config.gin").write_bytes(earlier)
+    with pytest.raises(
+        cli.UsageError, match=r"config.gin is not UTF-8 text \(byte 0xe9 at offset 3"
+    ):
+        trained_model.read_config(str(tmp_path))
 
 
 @pytest.mark.parametrize(

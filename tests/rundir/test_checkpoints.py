@@ -126,6 +126,24 @@ def test_an_index_without_its_checkpoints_is_an_error(tmp_path):
         )
 
 
+def test_the_data_of_several_saves_without_any_index_is_an_error_not_a_fresh_start(tmp_path):
+    """One save's data without its .index is what a kill in a run's first save leaves (the
+    next start begins afresh); several saves' are a run that lost its index files, which a
+    fresh start would overwrite and rotate away."""
+    checkpoint, _ = save_steps(tmp_path, steps=(2, 4, 6))
+    for path in [*tmp_path.glob("*.index"), tmp_path / "checkpoint"]:
+        path.unlink()
+    before = digests(tmp_path)
+    listing = checkpoints.list_checkpoints(str(tmp_path))
+    assert listing.uncommitted_steps == [2, 4, 6] and not listing.empty
+    with pytest.raises(checkpoints.CheckpointError, match="ckpt-2, ckpt-4, ckpt-6 without their"):
+        checkpoints.restore_newest(listing, restore_into(checkpoint))
+    assert digests(tmp_path) == before
+    for path in tmp_path.glob("ckpt-[24].*"):
+        path.unlink()
+    assert checkpoints.list_checkpoints(str(tmp_path)).empty
+
+
 def test_uncommitted_saves_are_ignored_and_temporary_directories_removed(tmp_path, caplog):
     checkpoint, var = save_steps(tmp_path, steps=(2,))
     (tmp_path / "ckpt-4.data-00000-of-00001").write_bytes(b"half a save")

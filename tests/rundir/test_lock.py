@@ -54,6 +54,7 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_killed_holder_is_taken_
         out, err = second.communicate(timeout=60)
         assert second.returncode == 2, err
         assert f"pid {holder.pid} on" in out and "in use by another run" in out
+        assert "remove" not in out  # a flock is held by a running process only
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
@@ -84,6 +85,21 @@ def test_a_new_lock_in_the_same_process_takes_over_and_the_old_one_fails_its_che
         old.check()
     assert json.loads((tmp_path / "LOCK").read_text())["token"] == new.holder.token
     new.release()
+
+
+@pytest.mark.parametrize("change", ["removed", "replaced"])
+def test_a_flocked_lock_whose_file_is_removed_or_replaced_fails_its_check(tmp_path, change):
+    """Removing LOCK under a live run lets another run take a new file: the first must stop
+    before its next save rather than write beside the other."""
+    lock = run_lock.RunLock(str(tmp_path), use_flock=True)
+    lock.acquire()
+    lock.check()
+    (tmp_path / "LOCK").unlink()
+    if change == "replaced":
+        write_lock(tmp_path / "LOCK")
+    with pytest.raises(run_lock.LockError, match="was removed or replaced while this run held"):
+        lock.check()
+    lock.release()
 
 
 def write_lock(path, **fields) -> None:

@@ -276,6 +276,17 @@ def test_a_sigkilled_launcher_leaves_no_worker_running(tmp_path):
     assert not survivors, f"workers {survivors} outlived their SIGKILLed launcher"
 
 
+def test_sigterm_while_the_workers_start_up_asks_for_a_restart(tmp_path):
+    """A preemption notice before the workers installed their handlers ends them with SIGTERM
+    itself (status -15): that is a preemption too, status 42 (it was 1, a failure)."""
+    cluster = start_cluster(tmp_path / "run", "--gin.Trainer.train_steps=100000")
+    wait_for(cluster, r"^\[launcher\] worker 1 pid")  # printed before the workers import anything
+    cluster.send_signal(signal.SIGTERM)
+    output = cluster.communicate(timeout=120)[0]
+    assert cluster.returncode == PreemptedError.exit_status, output[-3000:]
+    assert "stopping the others" not in output
+
+
 @pytest.mark.parametrize("argv", [["--num_workers=0", "--", "--mode=train"]])
 def test_bad_launcher_usage(argv):
     with pytest.raises(SystemExit):

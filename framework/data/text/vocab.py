@@ -154,8 +154,7 @@ def save_vocab(vocab: list[str], path: str) -> None:
 
 def load_vocab(path: str) -> list[str]:
     """Reads a vocabulary file, one token a line."""
-    with tf.io.gfile.GFile(path, "r") as f:
-        vocab = [line.rstrip("\n") for line in f]
+    vocab = files.read_text(path).split("\n")
     while vocab and not vocab[-1]:
         vocab.pop()
     if not vocab:
