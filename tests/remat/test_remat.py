@@ -605,3 +605,53 @@ def test_checkpoint_names_can_be_left_out_of_a_graph():
     with remat.without_checkpoint_names():
         assert "_remat_checkpoint_name" not in graph_text()
     assert "_remat_checkpoint_name" in graph_text()
+
+
+class _GeluBlock(keras.layers.Layer):
+    def __init__(self):
+        super().__init__()
+        self.runs = 0
+        self.up = keras.layers.Dense(64, activation="gelu")
+        self.down = keras.layers.Dense(16)
+        self.drop = keras.layers.Dropout(0.2)
+        self.norm = keras.layers.LayerNormalization()
+
+    def call(self, x, training=False):
+        self.runs += 1
+        return self.norm(x + self.drop(self.down(self.up(x)), training=training))
+
+
+def test_bfloat16_in_a_tf_function_is_bit_identical_without_grapplers_remapping():
+    """The documented cause of mixed-precision differences outside XLA: Grappler's remapper fuses
+    MatMul + bias + GELU differently inside a region. With it off, remat is exact to the bit,
+    dropout on; the regions ran twice each (forward pass and recomputation)."""
+    previous = tf.config.optimizer.get_experimental_options()  # lists options set, not defaults
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    tf.config.optimizer.set_experimental_options({"remapping": False})
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((16,)), _GeluBlock(), _GeluBlock()])
+        x = tf.random.stateless_normal((4, 16), [1, 2])
+        start = [v.numpy() for v in model.variables]  # weights and dropout seed states
+
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.cast(model(x, training=True), tf.float32) ** 2)
+            return [loss, *tape.gradient(loss, model.trainable_variables)]
+
+        def run():  # a new tf.function: one traced before remat stays without it
+            for variable, value in zip(model.variables, start, strict=True):
+                variable.assign(value)
+            return [t.numpy() for t in tf.function(step)(x)]
+
+        want = run()
+        blocks = remat.set_grad_checkpointing(model)
+        for block in blocks:
+            block.runs = 0
+        got = run()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+        tf.config.optimizer.set_experimental_options({"remapping": previous.get("remapping", True)})
+    assert [block.runs for block in blocks] == [2, 2]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
