@@ -47,8 +47,6 @@ def load_run(model_dir: str, trusted_imports: Sequence[str] = ()):
     import tensorflow as tf
 
     from framework import trained_model
-    from framework.data import text
-    from framework.data.text import tfds_text
     from framework.data.text import vocab as vocab_lib
     from framework.models.language import DecoderLM
 
@@ -61,12 +59,8 @@ def load_run(model_dir: str, trusted_imports: Sequence[str] = ()):
         )
     vocab_path = os.path.join(model_dir, cli.VOCAB_FILE)
     if not tf.io.gfile.exists(vocab_path):  # another file: the run's config names it
-        for source in (text.TextCorpus, tfds_text.TfdsText):
-            vocab_path = cli.bound_value(cli.binding_name(source, "vocab_path", module="data"))
-            if vocab_path is not None:
-                break
-        else:
-            vocab_path = os.path.join(model_dir, cli.VOCAB_FILE)
+        named = [cli.bound_value(name) for name in cli.vocab_path_names()]
+        vocab_path = next((path for path in named if path is not None), vocab_path)
     if not tf.io.gfile.exists(vocab_path):
         raise SampleError(f"the run's vocabulary {vocab_path} is missing")
     vocab = vocab_lib.load_vocab(vocab_path)

@@ -403,22 +403,14 @@ def main(argv: Sequence[str]) -> int:
 def _check_there_is_a_model_to_evaluate(model_dir: str, settings_class: type) -> None:
     """--mode=eval evaluates a run's checkpoint, or the weights of `Trainer.init_checkpoint`:
     without either it would score fresh random weights (a mistyped --model_dir, say) and exit 0."""
-    import tensorflow as tf
-
-    from framework.core import files
     from framework.rundir import checkpoints
 
     if cli.bound_value(cli.binding_name(settings_class, "init_checkpoint")):
         return
-    directory = files.join(model_dir, "checkpoints")
-    try:
-        listing = checkpoints.list_checkpoints(directory)
-    except tf.errors.OpError:  # storage out of reach: the writability check says so
-        return
-    if not listing.committed:
+    if checkpoints.committed_of_run(model_dir) == []:  # (None: out of reach, the run says so)
         raise UsageError(
-            f"--mode=eval: no checkpoint in {directory} to evaluate: train first, check "
-            "--model_dir, or give Trainer.init_checkpoint"
+            f"--mode=eval: no checkpoint in {model_dir}/checkpoints to evaluate: train first, "
+            "check --model_dir, or give Trainer.init_checkpoint"
         )
 
 

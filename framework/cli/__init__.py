@@ -42,6 +42,7 @@ from framework.cli.gin_config import (
     bound_value,
     parse_gin,
     parse_run_config,
+    vocab_path_names,
 )
 from framework.cli.runner import first_line, raise_if_interrupted, run
 from framework.core.errors import UsageError
@@ -70,4 +71,5 @@ __all__ = [
     "rewrite_gin_shorthand",
     "run",
     "shard_states_flag",
+    "vocab_path_names",
 ]

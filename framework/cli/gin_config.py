@@ -55,8 +55,7 @@ def bind_run_files(model_dir: str) -> list[str]:
     elsewhere: nothing is bound, and a text source asks for the file rather than learn another.
     Returns the bindings made, for the processes the binary starts."""
     from framework.core import files
-    from framework.data import text
-    from framework.data.text import tfds_text
+    from framework.rundir import checkpoints
     from framework.trainer.settings import TrainerSettings
 
     init_checkpoint = bound_value(binding_name(TrainerSettings, "init_checkpoint"))
@@ -65,30 +64,24 @@ def bind_run_files(model_dir: str) -> list[str]:
         earlier = init_checkpoint and files.join(_run_directory(init_checkpoint), VOCAB_FILE)
         if earlier and _exists(earlier):
             vocab = earlier
-        elif _has_checkpoints(model_dir):
+        elif checkpoints.committed_of_run(model_dir):
             return []
-    made = []
-    for source in (text.TextCorpus, tfds_text.TfdsText):
-        name = binding_name(source, "vocab_path", module="data")
-        if bound_value(name) is None:
-            made.append(f"{name} = {vocab!r}")
+    made = [f"{name} = {vocab!r}" for name in vocab_path_names() if bound_value(name) is None]
     with gin.unlock_config():
         for binding in made:
             gin.parse_config(binding)
     return made
 
 
-def _has_checkpoints(model_dir: str) -> bool:
-    """Whether the run in `model_dir` committed a checkpoint; False when out of reach."""
-    import tensorflow as tf
+def vocab_path_names() -> list[str]:
+    """The gin names of the vocabulary files of the text sources that learn one."""
+    from framework.data import text
+    from framework.data.text import tfds_text
 
-    from framework.core import files
-    from framework.rundir import checkpoints
-
-    try:
-        return bool(checkpoints.list_checkpoints(files.join(model_dir, "checkpoints")).committed)
-    except tf.errors.OpError:
-        return False
+    return [
+        binding_name(source, "vocab_path", module="data")
+        for source in (text.TextCorpus, tfds_text.TfdsText)
+    ]
 
 
 def _exists(path: str) -> bool:

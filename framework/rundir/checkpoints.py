@@ -86,6 +86,15 @@ def list_checkpoints(directory: str) -> Listing:
     )
 
 
+def committed_of_run(model_dir: str) -> list[str] | None:
+    """The committed checkpoints of the run in `model_dir` (its `checkpoints/`), or None when its
+    storage is out of reach: for checks before a run starts, which leave that case to the run."""
+    try:
+        return list_checkpoints(files.join(model_dir, "checkpoints")).committed
+    except tf.errors.OpError:
+        return None
+
+
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
