@@ -217,7 +217,9 @@ def test_recomputed_draws_are_lowered_for_the_tpu(stack, draws):
 
 
 @pytest.mark.tf_compat
-@pytest.mark.parametrize("rng_alg, padded", [(None, False), ("philox", True)])
+@pytest.mark.parametrize(
+    "rng_alg, padded", [(None, False), pytest.param("philox", True, marks=pytest.mark.slow)]
+)
 def test_philox_dropout_masks_are_padded_on_tpu(rng_alg, padded):
     """What the re-lowering avoids: Philox bits in blocks of 4, each padded to 128 lanes."""
     w = tf.Variable(tf.ones([WIDTH, WIDTH]) / WIDTH)

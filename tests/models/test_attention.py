@@ -313,6 +313,7 @@ def test_scanned_blocks_with_blockwise_attention_match_unrolled_plain(policy):
         assert _error(g, w) < 1e-5
 
 
+@pytest.mark.slow
 def test_mixed_bfloat16_models_stay_as_close_as_plain():
     """Under mixed_bfloat16 both paths round: blockwise's gradients are about as close to the
     float32 model's as plain's are."""

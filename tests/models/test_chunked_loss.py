@@ -141,8 +141,16 @@ def _sums_and_gradients(model, batch, mode: str, loss_fn=cross_entropy):
     return [float(s) for s in sums], [np.asarray(g, np.float64) for g in grads]
 
 
-@pytest.mark.parametrize("mode", [pytest.param("eager", marks=pytest.mark.slow), "xla"])
-@pytest.mark.parametrize("kind", ["decoder", "bert"])
+# XLA's compiles (24 and 32 s) run with the slow tests; the fast tier runs the decoder eagerly.
+@pytest.mark.parametrize(
+    ("kind", "mode"),
+    [
+        ("decoder", "eager"),
+        pytest.param("decoder", "xla", marks=pytest.mark.slow),
+        pytest.param("bert", "eager", marks=pytest.mark.slow),
+        pytest.param("bert", "xla", marks=pytest.mark.slow),
+    ],
+)
 def test_the_trainers_sums_and_gradients_are_those_of_the_whole_logits(kind, mode):
     """`batch_sums` of a language model with `loss_chunk`: the same loss, correct count and
     gradients as with the whole logits (dropout on, padding weighted 0, blockwise attention and
@@ -188,6 +196,7 @@ def test_the_trainers_own_loss_is_computed_in_chunks(monkeypatch):
         language.DecoderLM(**TEXT, loss_chunk=0)
 
 
+@pytest.mark.slow
 def test_mixed_bfloat16_chunks_match_the_whole_logits():
     """Under mixed_bfloat16 both paths project in float32 from the same bfloat16 hidden states
     and tied table: the same sums and gradients (measured 4e-8 apart; 1e-5 allowed)."""

@@ -52,8 +52,11 @@ def unsharded():
     return state(trainer)
 
 
+# The gradients level (17 s more) runs with the slow tests; the fast tier trains the other two.
 @pytest.mark.tf_compat
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize(
+    "level", [pytest.param(x, marks=pytest.mark.slow) if x == "gradients" else x for x in LEVELS]
+)
 def test_each_level_trains_to_the_unsharded_runs_state_bit_for_bit(level, unsharded):
     trainer = run(clip_norm=None, shard_state=level, **FULL_STEP)
     trainer.train()
