@@ -40,7 +40,7 @@ def model_dir_flag() -> str:
 
 
 # What a run keeps in model_dir, by kind: found as the other kind, it is no run of ours.
-_RUN_DIRECTORIES = ("checkpoints",)
+_RUN_DIRECTORIES = ("checkpoints", "train", "eval")  # train/, eval/: the summaries
 _RUN_FILES = ("LOCK", "config.gin", "command")
 
 

@@ -43,6 +43,7 @@ class Listing:
     uncommitted: list[str]  # data files of saves that never wrote their .index
     temporary: list[str]  # `ckpt-N_temp` directories left by an interrupted save
     has_index: bool  # whether the `checkpoint` index file exists (readable or not)
+    in_the_way: list[str] = dataclasses.field(default_factory=list)  # see `check_saves_fit`
 
     @property
     def uncommitted_steps(self) -> list[int]:
@@ -75,6 +76,13 @@ def list_checkpoints(directory: str) -> Listing:
         names = files.with_retries(lambda: tf.io.gfile.listdir(directory), f"listing {directory}")
     except tf.errors.NotFoundError:
         return Listing(directory, [], [], [], has_index=False)
+    in_the_way = [
+        name.rstrip("/")
+        for name in names
+        if (name.rstrip("/") == INDEX_FILE or _COMMITTED.match(name.rstrip("/")))
+        and (name.endswith("/") or tf.io.gfile.isdir(files.join(directory, name)))
+    ]
+    names = [name for name in names if name.rstrip("/") not in in_the_way]
     committed = {int(m[1]) for m in map(_COMMITTED.match, names) if m}
     partial = [name for name in names if (m := _PARTIAL.match(name)) and int(m[1]) not in committed]
     return Listing(
@@ -83,7 +91,20 @@ def list_checkpoints(directory: str) -> Listing:
         uncommitted=sorted(partial),
         temporary=sorted(name.rstrip("/") for name in names if _TEMPORARY.match(name)),
         has_index=INDEX_FILE in names,
+        in_the_way=sorted(in_the_way),
     )
+
+
+def check_saves_fit(listing: Listing) -> None:
+    """Raises `CheckpointError` when directories sit where a save writes its files (the
+    `checkpoint` index file, a `ckpt-N.index`): the run would train up to that save and fail
+    there. Nothing is deleted: they may hold what someone put there."""
+    if listing.in_the_way:
+        paths = ", ".join(files.join(listing.directory, name) for name in listing.in_the_way)
+        raise CheckpointError(
+            f"{paths}: a directory where checkpoint saves write a file. Nothing was deleted: "
+            "move it out of the checkpoint directory and run again."
+        )
 
 
 def committed_of_run(model_dir: str) -> list[str] | None:

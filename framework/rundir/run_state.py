@@ -7,9 +7,11 @@
   a non-finite one is skipped for the one before it; and a model_dir whose checkpoints all fail
   stops the run (`TrainerError`) instead of starting over them (see `checkpoints`).
 - Every worker restores from model_dir and saves (saving is collective), but only the chief
-  writes into model_dir: the others write to a temporary directory of their own and delete it
+  writes into model_dir: the others write to a scratch directory of their own and delete it
   after each save, so that a long run does not fill a worker's local disk with copies no one
-  reads (TensorFlow's handler does the same for the managers it makes).
+  reads (TensorFlow's handler does the same for the managers it makes). The scratch directory
+  is the same for a worker of a run at every start, and emptied then: a worker killed during a
+  save leaves one copy behind until the run restarts, not one per kill.
 - After SIGTERM (a preempted TPU VM or GPU node), TensorFlow's handler makes the workers agree
   on a step, all save there, and the run stops with `PreemptedError`.
 - A checkpoint holds every random state of the model (`random_state`) and the number of replicas
@@ -22,6 +24,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import tempfile
@@ -31,7 +34,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from framework.core import tf_internals
+from framework.core import files, tf_internals
 from framework.core.errors import PreemptedError, TrainerError
 from framework.rundir import checkpoints
 from framework.rundir import lock as run_lock
@@ -48,6 +51,20 @@ def random_state(model: keras.Model) -> list[keras.Variable]:
     """
     weights = {id(w) for w in model.weights}
     return [v for v in model.variables if id(v) not in weights]
+
+
+def _worker_scratch(model_dir: str, strategy: tf.distribute.Strategy) -> str:
+    """An empty scratch directory for this worker's copy of each save, named after the run's
+    model_dir and the worker (two workers of one cluster may share a host)."""
+    resolver = strategy.cluster_resolver
+    where = os.path.abspath(model_dir) if files.is_local(model_dir) else model_dir
+    run = hashlib.sha256(where.encode()).hexdigest()[:16]
+    path = os.path.join(
+        tempfile.gettempdir(), f"framework-ckpt-{run}-{resolver.task_type}-{resolver.task_id}"
+    )
+    if tf.io.gfile.exists(path):
+        tf.io.gfile.rmtree(path)
+    return path
 
 
 class RunState:
@@ -108,7 +125,7 @@ class RunState:
                 replicas_in_sync=tf.Variable(self._replicas, trainable=False, dtype=tf.int64),
                 data_position=self._data_position,
             ),
-            self.directory if is_chief else tempfile.mkdtemp(prefix="ckpt-"),
+            self.directory if is_chief else _worker_scratch(model_dir, strategy),
             max_to_keep=keep if is_chief else 1,
             step_counter=optimizer.iterations,
         )
@@ -138,6 +155,8 @@ class RunState:
             for path in checkpoints.remove_temporary(listing):
                 logging.info("removed %s, left by an interrupted save", path)
         try:
+            if at_start and self.is_chief:
+                checkpoints.check_saves_fit(listing)
             restored = checkpoints.restore_newest(listing, self._restore)
         except checkpoints.CheckpointError as error:
             raise TrainerError(str(error)) from None

@@ -417,6 +417,7 @@ def test_a_write_refused_mid_run_is_one_line():
         ("checkpoints", "file", "checkpoints is a file, which a run never writes there"),
         ("LOCK", "directory", "LOCK is a directory, which a run never writes there"),
         ("config.gin", "directory", "config.gin is a directory"),
+        ("train", "file", "train is a file, which a run never writes there"),
         ("checkpoints", "unwritable", "checkpoints' is not writable"),
     ],
 )

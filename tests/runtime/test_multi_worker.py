@@ -87,7 +87,9 @@ def wait_for(process: subprocess.Popen, pattern: str, timeout: float = 240) -> l
 def leftover_worker_checkpoints(model_dir) -> list[str]:
     """The checkpoint files a cluster's workers left in their temporary directory: a worker
     other than the chief writes its save there and must delete it (`run_state`)."""
-    return sorted(path.name for path in (model_dir.parent / "worker_tmp").glob("ckpt-*/*"))
+    return sorted(
+        path.name for path in (model_dir.parent / "worker_tmp").glob("framework-ckpt-*/*")
+    )
 
 
 def launcher_lines(lines: Sequence[str]) -> list[tuple[int, int]]:
@@ -213,7 +215,7 @@ def test_a_killed_worker_stops_the_cluster_and_sigterm_saves_where_the_workers_a
     killed = int(tf.train.latest_checkpoint(model_dir / "checkpoints").rsplit("-", 1)[1])
     assert killed >= 10
     assert not (REPO_DIR / model_dir.name).exists()  # the relative --model_dir: the caller's
-    shutil.rmtree(model_dir.parent / "worker_tmp")  # what the SIGKILLed worker was writing
+    # The SIGKILLed worker may have left its copy of a save: the restart's worker 1 removes it.
 
     cluster = start_cluster(model_dir, "--gin.Trainer.train_steps=100000")
     lines = wait_for(cluster, rf"\[worker 1\].*step {killed + 10}/100000")

@@ -140,7 +140,9 @@ def test_a_diverging_run_never_saves_a_non_finite_checkpoint(request, tmp_path, 
 
 
 def _checkpoint_files(model_dir) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in (model_dir / "checkpoints").glob("ckpt-*")}
+    return {
+        p.name: p.read_bytes() for p in (model_dir / "checkpoints").glob("ckpt-*") if p.is_file()
+    }
 
 
 # Adam moves each weight by about the learning rate per step: at 1e30 the first step leaves
@@ -203,6 +205,20 @@ def test_corrupted_checkpoints_only_are_an_error_and_are_not_deleted(run_copy):
     with pytest.raises(TrainerError, match="cannot be restored .*ckpt-10: .*Nothing was deleted"):
         make_trainer(run_copy, train_steps=10)
     assert _checkpoint_files(run_copy) == before
+
+
+@pytest.mark.parametrize("entry", ["checkpoint", "ckpt-10.index"])
+def test_a_directory_where_a_save_writes_a_file_stops_the_run_before_it_trains(run_copy, entry):
+    """A directory named like the index file or a checkpoint's .index: the run restored (or
+    skipped) around it, trained up to the save that writes there and failed with a traceback."""
+    path = run_copy / "checkpoints" / entry
+    path.unlink()
+    path.mkdir()
+    (path / "notes").write_text("kept")
+    before = _checkpoint_files(run_copy)
+    with pytest.raises(TrainerError, match=f"checkpoints/{entry}: a directory where checkpoint"):
+        make_trainer(run_copy, train_steps=15)
+    assert _checkpoint_files(run_copy) == before and (path / "notes").read_text() == "kept"
 
 
 @pytest.mark.slow
