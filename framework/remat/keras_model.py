@@ -65,8 +65,9 @@ def repeated_blocks(model: keras.Layer) -> list[keras.Layer]:
     one instance called at least twice in a functional graph (ALBERT's shared layer); a class of
     which some instance sits inside another block class is a part of a block (the Dense layers
     of a transformer block), not a block. The top-most instances of the block classes are
-    returned. One of Keras' own layers without layers inside (Conv2D, Dense) is no block:
-    checkpointed alone, it keeps its input and recomputes one op.
+    returned. One of Keras' or keras-hub's own layers without layers inside (Conv2D, Dense,
+    keras-hub's PositionEmbedding, which BART has twice) is no block: checkpointed alone, it
+    keeps its input and recomputes an op or two.
     """
     everything = [model, *_all_layers(model)]
     with_weights = [layer for layer in everything[1:] if layer.weights]
@@ -90,11 +91,15 @@ def repeated_blocks(model: keras.Layer) -> list[keras.Layer]:
     return _top_most(model, lambda layer: type(layer) in blocks and _is_block(layer))
 
 
+# Libraries whose single layers (without layers inside) each run an op or two.
+_LAYER_LIBRARIES = frozenset({"keras", "keras_hub"})
+
+
 def _is_block(layer: keras.Layer) -> bool:
     """A layer with weights that runs more than one op of its own: one with layers of its own,
-    or a class of the user's; Keras' own single layers (Conv2D, Dense, BatchNormalization, the
-    LayerScale of keras.applications) are not."""
-    own_class = type(layer).__module__.split(".")[0] != "keras"
+    or a class of the user's; Keras' and keras-hub's own single layers (Conv2D, Dense,
+    BatchNormalization, the LayerScale of keras.applications, PositionEmbedding) are not."""
+    own_class = type(layer).__module__.split(".")[0] not in _LAYER_LIBRARIES
     return bool(layer.weights) and (bool(_children(layer)) or own_class)
 
 

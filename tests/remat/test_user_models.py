@@ -387,7 +387,23 @@ def test_selections_that_match_nothing_or_save_nothing_are_loud():
         remat.set_grad_checkpointing(skip, every=1)
 
 
-@pytest.mark.parametrize("name", ["vit", "mobilenetv3"])
+def test_keras_hubs_single_layers_are_no_blocks():
+    """BART has two PositionEmbedding layers (encoder and decoder): a repeated keras-hub class
+    with weights, but a single layer, whose region would keep its input to recompute a slice of
+    its table. The default takes the transformer layers only; naming it warns."""
+    model = keras_hub.models.BartBackbone(
+        vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
+        max_sequence_length=16,
+    )  # fmt: skip
+    chosen = remat.set_grad_checkpointing(model)
+    assert sorted(type(layer).__name__ for layer in chosen) == [
+        "TransformerDecoder", "TransformerDecoder", "TransformerEncoder", "TransformerEncoder",
+    ]  # fmt: skip
+    with pytest.warns(remat.RematSavesNothingWarning, match="single layers"):
+        remat.set_grad_checkpointing(model, layers=keras_hub.layers.PositionEmbedding)
+
+
+@pytest.mark.parametrize("name", ["vit", pytest.param("mobilenetv3", marks=pytest.mark.slow)])
 def test_summary_says_what_is_wrapped_and_what_it_saves(name):
     model, x = _hub(name) if name == "vit" else _application(name)
     lines: list[str] = []
