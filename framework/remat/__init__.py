@@ -19,6 +19,7 @@ from framework.core.errors import (
 )
 from framework.remat import policies, segments
 from framework.remat.checkpoint import checkpoint, is_checkpointed
+from framework.remat.eager_rerun import TensorStoredAsideWarning
 from framework.remat.keras_model import (
     RematSavesNothingWarning,
     checkpointed_layers,
@@ -39,6 +40,7 @@ __all__ = [
     "RematSummary",
     "RematSavesNothingWarning",
     "Residual",
+    "TensorStoredAsideWarning",
     "UnmatchedNameWarning",
     "UnreplayableRandomOpError",
     "checkpoint",

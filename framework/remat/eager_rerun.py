@@ -15,6 +15,12 @@ What tracing would find in a graph is read off the ops as they run, through an o
 * stateful random ops, which a recomputation cannot draw again (as in graph mode, an error);
 * the ops themselves, in order: the recomputation must run the same ones, else
   `RecomputationMismatchError`. Ops of a nested checkpoint belong to that checkpoint.
+
+A tensor the forward pass makes reaches the tapes only as one of the region's results. One the
+region keeps elsewhere (attention scores in a layer attribute) is a value the tapes never saw: a
+loss computed from it would get no gradient through it, silently; kept in a layer attribute, it
+is warned of (`TensorStoredAsideWarning`). A traced region's such tensor is a graph tensor, an
+error where it is read.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 
 import tensorflow as tf
@@ -50,6 +57,11 @@ _DIFFERENT_OPS = (
     "forward pass and the recomputation). A gradient tape inside the region records nothing in "
     "an eager forward pass (the tapes are paused there): call such a step in a tf.function."
 )
+
+
+class TensorStoredAsideWarning(UserWarning):
+    """A layer of a `nothing_saveable` region called eagerly kept a tensor of its call in an
+    attribute: the gradient tapes did not record it (see the module docstring)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +282,7 @@ def call(
         # recorded op its own input, or give one gradient to two results.
         outputs = [tf.identity(t) for t in results.tensors()]
     variables += watched
+    _warn_of_tensors_stored_aside(label, layers, forward.made, results.tensors())
     if forward.created_variables:
         raise RematError(
             f"Remat region {label!r} created variables in its call (a layer built inside "
@@ -317,3 +330,23 @@ def call(
 
     sources = [t for t in tensors if differentiable(t)] + closures
     return results.pack(attach_gradient(outputs, sources, variables, backward))
+
+
+def _warn_of_tensors_stored_aside(label: str, layers: list, made: set[int], results) -> None:
+    returned = {tf_internals.tensor_id(t) for t in results}
+    for layer in layers:
+        for name, value in vars(layer).items():
+            if (
+                isinstance(value, tf.Tensor)
+                and tf_internals.tensor_id(value) in made
+                and tf_internals.tensor_id(value) not in returned
+            ):
+                warnings.warn(
+                    f"Remat region {label!r}, called eagerly with nothing_saveable, kept a tensor "
+                    f"of its call in {layer.name}.{name}: the gradient tapes did not record it, "
+                    "so a loss computed from it gets no gradient through it. Return it from the "
+                    "call, or call the step in a tf.function (Keras fit does), where reading it "
+                    "outside the call is an error.",
+                    TensorStoredAsideWarning,
+                    stacklevel=2,
+                )

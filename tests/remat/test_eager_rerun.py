@@ -6,6 +6,8 @@ they run. Each case compares with the same layer called plainly, variables and s
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -235,6 +237,30 @@ def test_gradient_tape_inside_the_layer_is_loud():
     got = tf.function(lambda x: gradients(layer, x))(x)
     remat.checkpoint(layer, policy=None)
     assert_close(got, tf.function(lambda x: gradients(layer, x))(x))
+
+
+def test_a_tensor_kept_in_a_layer_attribute_is_warned_of():
+    """Eagerly, the forward pass runs with the tapes paused: attention scores a layer keeps for a
+    plot are values no tape recorded, and a loss computed from them would get no gradient
+    through them. The results and their gradients are unaffected."""
+
+    def keeps_scores(self, x):
+        self.scores = tf.nn.softmax(self.dense(x))
+        return dense_drop_norm(self, x) * 2.0
+
+    layer = built(keeps_scores)
+    x = rand(3, 4)
+    with pytest.warns(remat.TensorStoredAsideWarning, match=r"\.scores: the gradient tapes"):
+        want, got = both(layer, lambda: gradients(layer, x))
+    assert_close(got, want)
+    quiet = built(dense_drop_norm)
+    quiet.scores = tf.zeros([3, 4])  # a tensor from before the call is none of the call's
+    remat.checkpoint(quiet)
+    quiet.calls.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", remat.TensorStoredAsideWarning)
+        gradients(quiet, x)
+    assert quiet.calls == [True, True]
 
 
 @pytest.mark.parametrize("used", [0, 1])
