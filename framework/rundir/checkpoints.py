@@ -76,11 +76,15 @@ def list_checkpoints(directory: str) -> Listing:
         names = files.with_retries(lambda: tf.io.gfile.listdir(directory), f"listing {directory}")
     except tf.errors.NotFoundError:
         return Listing(directory, [], [], [], has_index=False)
+    # Object stores list a directory with a trailing "/"; a local one needs asking.
     in_the_way = [
         name.rstrip("/")
         for name in names
         if (name.rstrip("/") == INDEX_FILE or _COMMITTED.match(name.rstrip("/")))
-        and (name.endswith("/") or tf.io.gfile.isdir(files.join(directory, name)))
+        and (
+            name.endswith("/")
+            or (files.is_local(directory) and tf.io.gfile.isdir(files.join(directory, name)))
+        )
     ]
     names = [name for name in names if name.rstrip("/") not in in_the_way]
     committed = {int(m[1]) for m in map(_COMMITTED.match, names) if m}
