@@ -83,19 +83,20 @@ class EagerRegion:
             ]
             results = self._forward(*tensors)
         outputs, kept = list(results[:n_out]), list(results[n_out:])
-        # Traced now: a forward-mode accumulator calls the gradient function alone (no gate
-        # runs: every result counts as used), in a state where a trace's own tapes record
-        # nothing; otherwise a first-order gradient, through the results alone, is ahead.
         first_order = tuple(differentiable(t) for t in outputs) + (False,) * len(kept)
         accumulating = tf_internals.forward_accumulator_active()
         variables = [
             *self._variables,
             *tf_internals.untrainable_variables_watched(self._every_variable),
         ]
-        if any(first_order):
+        # A forward-mode accumulator calls the gradient function alone (no gate runs: every
+        # result counts as used), in a state where a trace's own tapes record nothing: traced
+        # now. A tape's gradient traces it when it runs, for the results the step used (traced
+        # here for all of them, a result the step leaves unused, as T5's blocks leave the
+        # position bias they hand on, cost a second trace).
+        if accumulating and any(first_order):
             every = tuple(differentiable(t) for t in outputs + kept)
-            mask = every if accumulating else first_order
-            self._backward_for(mask, variables, tensors, kept, snapshots)
+            self._backward_for(every, variables, tensors, kept, snapshots)
         gated_kept: list[tf.Tensor] = []  # the kept values as the gradient function reads them
 
         def backward(mask: tuple[bool, ...], upstream: list[tf.Tensor]) -> list:
