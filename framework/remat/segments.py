@@ -39,11 +39,13 @@ class Segment:
 
     @property
     def layers(self) -> list[keras.Layer]:
-        return [node.operation for node in self.nodes]
+        """The layers its nodes call. A node may call a Keras operation that is no layer (`x + y`
+        on Keras tensors, ConvNeXt's residual adds): it holds no weights, losses or layers."""
+        return [node.operation for node in self.nodes if isinstance(node.operation, keras.Layer)]
 
     @property
     def name(self) -> str:
-        names = [layer.name for layer in self.layers]
+        names = [node.operation.name for node in self.nodes]
         return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
 
     def __repr__(self) -> str:

@@ -176,10 +176,18 @@ def test_keras_applications_get_segments_that_match_no_remat(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "mode"), [("convnext", "eager"), ("mobilenetv3", "xla")])
-def test_keras_applications_in_eager_and_xla(name, mode):
+@pytest.mark.parametrize(
+    ("name", "mode", "policy"),
+    [
+        ("convnext", "eager", "nothing_saveable"),
+        # Traced eagerly: its segments' residual adds are Keras operations, not layers.
+        ("convnext", "eager", "dots_saveable"),
+        ("mobilenetv3", "xla", "nothing_saveable"),
+    ],
+)
+def test_keras_applications_in_eager_and_xla(name, mode, policy):
     model, x = _application(name)
-    _check(model, x, mode, tol=APPLICATIONS_TOL)
+    _check(model, x, mode, tol=APPLICATIONS_TOL, policy=policy)
 
 
 @pytest.mark.slow
