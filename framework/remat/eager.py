@@ -90,10 +90,10 @@ class EagerRegion:
             *tf_internals.untrainable_variables_watched(self._every_variable),
         ]
         # A forward-mode accumulator calls the gradient function alone (no gate runs: every
-        # result counts as used), in a state where a trace's own tapes record nothing: traced
-        # now. A tape's gradient traces it when it runs, for the results the step used (traced
-        # here for all of them, a result the step leaves unused, as T5's blocks leave the
-        # position bias they hand on, cost a second trace).
+        # result counts as used), in a state where a trace's own tapes record nothing: the
+        # backward pass is traced now. Otherwise a tape's gradient traces it when it runs, for
+        # the results the step used: traced here for all of them, it was traced twice whenever
+        # the step left one unused (the position bias T5's last blocks hand on).
         if accumulating and any(first_order):
             every = tuple(differentiable(t) for t in outputs + kept)
             self._backward_for(every, variables, tensors, kept, snapshots)

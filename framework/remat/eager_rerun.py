@@ -334,7 +334,8 @@ def call(
 
 def _warn_of_tensors_stored_aside(label: str, layers: list, made: set[int], results) -> None:
     returned = {tf_internals.tensor_id(t) for t in results}
-    for layer in layers:
+    inside = [x for layer in layers for x in [layer, *tf_internals.flatten_layers(layer, True)]]
+    for layer in {id(x): x for x in inside}.values():
         for name, value in vars(layer).items():
             if (
                 isinstance(value, tf.Tensor)

@@ -76,15 +76,11 @@ def list_checkpoints(directory: str) -> Listing:
         names = files.with_retries(lambda: tf.io.gfile.listdir(directory), f"listing {directory}")
     except tf.errors.NotFoundError:
         return Listing(directory, [], [], [], has_index=False)
-    # Object stores list a directory with a trailing "/"; a local one needs asking.
     in_the_way = [
         name.rstrip("/")
         for name in names
         if (name.rstrip("/") == INDEX_FILE or _COMMITTED.match(name.rstrip("/")))
-        and (
-            name.endswith("/")
-            or (files.is_local(directory) and tf.io.gfile.isdir(files.join(directory, name)))
-        )
+        and _is_directory(directory, name)
     ]
     names = [name for name in names if name.rstrip("/") not in in_the_way]
     committed = {int(m[1]) for m in map(_COMMITTED.match, names) if m}
@@ -97,6 +93,14 @@ def list_checkpoints(directory: str) -> Listing:
         has_index=INDEX_FILE in names,
         in_the_way=sorted(in_the_way),
     )
+
+
+def _is_directory(directory: str, name: str) -> bool:
+    """Whether the entry `name` that listing `directory` gave is a directory: object stores list
+    one with a trailing "/", a local filesystem needs asking."""
+    if name.endswith("/"):
+        return True
+    return files.is_local(directory) and tf.io.gfile.isdir(files.join(directory, name))
 
 
 def check_saves_fit(listing: Listing) -> None:

@@ -246,13 +246,17 @@ def test_a_tensor_kept_in_a_layer_attribute_is_warned_of():
 
     def keeps_scores(self, x):
         self.scores = tf.nn.softmax(self.dense(x))
+        self.norm.last = tf.sin(x)  # on a layer inside the checkpointed one
         return dense_drop_norm(self, x) * 2.0
 
     layer = built(keeps_scores)
     x = rand(3, 4)
-    with pytest.warns(remat.TensorStoredAsideWarning, match=r"\.scores: the gradient tapes"):
+    with pytest.warns(remat.TensorStoredAsideWarning) as warned:
         want, got = both(layer, lambda: gradients(layer, x))
     assert_close(got, want)
+    said = " ".join(str(w.message) for w in warned)
+    for attribute in (f"{layer.name}.scores", f"{layer.norm.name}.last"):
+        assert f"{attribute}: the gradient tapes did not record it" in said
     quiet = built(dense_drop_norm)
     quiet.scores = tf.zeros([3, 4])  # a tensor from before the call is none of the call's
     remat.checkpoint(quiet)
